@@ -1,0 +1,139 @@
+"""Building blocks as data (paper, sections 3-4).
+
+A building block is the pattern of one microbatch's passes over all ranks: for every rank, the
+slot of each pass of microbatch 0. Microbatch k adds ``interval * k``. W passes are placed into
+the next free slot after their B, first in first out (see :func:`.compose.repeat`). Only the
+*order* a block induces on each rank matters; timing comes later from the simulator.
+
+V blocks (two chunks, interval 6: F0 F1 B1 B0 W W per microbatch per rank), slots for rank i::
+
+    block   F (chunk 0)   F (chunk 1)   B (chunk 1)       B (chunk 0)       memory (units)
+    V-Min   i             2p-1-i        2p+g+i            4p+g-1-i          (p+4)//3   g=2 if p%3==0
+    V-Half  2i            3p-2-i        3p+g+2i-1         6p+g-2-i          (p+2)//2   g=3 if p%2==0
+    V-ZB    6i            6p-3          6(p+i-1)+4        6(2p-1)+1         p
+
+The gap g keeps the four passes of a rank in distinct slots modulo 6. V-ZB's offsets give
+chunk 0 a lifespan of 2p-1-i microbatches and chunk 1 one of i+1: the sum, 2p chunk
+activations, is 1F1B's memory, and the warm-up/cool-down passes make it bubble-free.
+
+Single-chunk baselines use the same machinery: 1F1B (F, fused BW; interval 2) and ZB-1P
+(F, B, W; interval 3) with rank i holding p-i microbatches in flight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .actions import PassKind, ScheduleError
+from .placement import Layout
+
+__all__ = ["BuildingBlock", "BlockFamily", "V_MIN", "V_HALF", "V_ZB", "ONE_F_ONE_B", "ZB_1P"]
+
+F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
+
+# A block's slots: for each rank, ((kind, chunk), slot) pairs for microbatch 0.
+RankSlots = tuple[tuple[tuple[PassKind, int], int], ...]
+
+
+@dataclass(frozen=True)
+class BuildingBlock:
+    """One concrete block for a given number of ranks."""
+
+    name: str
+    layout: Layout
+    ranks: int
+    interval: int
+    """Slots between consecutive microbatches (the repeat interval T)."""
+    slots: tuple[RankSlots, ...]
+    """Per rank: slot of each non-W pass of microbatch 0. W passes are placed by ``repeat``."""
+    split_backward: bool
+    """True when B and W are separate passes (W placed FIFO); False for a fused BW."""
+    memory_bound: float
+    """Stated peak activation memory, in units (one microbatch, one rank's whole share)."""
+    warmup_quota: bool
+    """True to fill the warm-up with forwards up to the bound (V blocks); False keeps the order."""
+
+    def __post_init__(self) -> None:
+        for rank, rank_slots in enumerate(self.slots):
+            residues = [slot % self.interval for _, slot in rank_slots]
+            if len(set(residues)) != len(residues):
+                raise ScheduleError(
+                    f"block {self.name}: two passes share a slot modulo {self.interval} on rank "
+                    f"{rank}: {rank_slots}"
+                )
+
+    @property
+    def memory_bound_chunks(self) -> int:
+        """The bound in chunk-activations (the unit the list scheduler counts in)."""
+        return round(self.memory_bound * self.layout.chunks)
+
+
+@dataclass(frozen=True)
+class BlockFamily:
+    """A named block for every p: the data instance that a schedule name refers to."""
+
+    name: str
+    layout: Layout
+    interval: int
+    rank_slots: Callable[[int, int], dict]
+    """(p, rank) -> {(kind, chunk): slot} for microbatch 0."""
+    memory_bound: Callable[[int], float]
+    split_backward: bool = True
+    warmup_quota: bool = True
+
+    def build(self, ranks: int) -> BuildingBlock:
+        if not isinstance(ranks, int) or ranks < 2:
+            raise ScheduleError(
+                f"ranks must be an integer >= 2 for {self.name}, got {ranks!r}: with one rank "
+                "there is no pipeline (use plain data parallel training)"
+            )
+        slots = tuple(
+            tuple(sorted(self.rank_slots(ranks, r).items(), key=lambda kv: kv[1]))
+            for r in range(ranks)
+        )
+        return BuildingBlock(
+            name=self.name,
+            layout=self.layout,
+            ranks=ranks,
+            interval=self.interval,
+            slots=slots,
+            split_backward=self.split_backward,
+            memory_bound=self.memory_bound(ranks),
+            warmup_quota=self.warmup_quota,
+        )
+
+
+def _v_min(p: int, i: int) -> dict:
+    g = 2 if p % 3 == 0 else 0
+    return {(F, 0): i, (F, 1): 2 * p - 1 - i, (B, 1): 2 * p + g + i, (B, 0): 4 * p + g - 1 - i}
+
+
+def _v_half(p: int, i: int) -> dict:
+    g = 3 if p % 2 == 0 else 0
+    return {
+        (F, 0): 2 * i,
+        (F, 1): 3 * p - 2 - i,
+        (B, 1): 3 * p + g + 2 * i - 1,
+        (B, 0): 6 * p + g - 2 - i,
+    }
+
+
+def _v_zb(p: int, i: int) -> dict:
+    return {(F, 0): 6 * i, (F, 1): 6 * p - 3, (B, 1): 6 * (p + i - 1) + 4, (B, 0): 6 * (2 * p - 1) + 1}
+
+
+def _one_f_one_b(p: int, i: int) -> dict:
+    return {(F, 0): 0, (BW, 0): 2 * (p - 1 - i) + 1}
+
+
+def _zb_1p(p: int, i: int) -> dict:
+    return {(F, 0): 0, (B, 0): 3 * (p - 1 - i) + 1}
+
+
+V_MIN = BlockFamily("v-min", Layout.V, 6, _v_min, lambda p: (p + 4) // 3)
+V_HALF = BlockFamily("v-half", Layout.V, 6, _v_half, lambda p: (p + 2) // 2)
+V_ZB = BlockFamily("v-zb", Layout.V, 6, _v_zb, lambda p: p)
+ONE_F_ONE_B = BlockFamily(
+    "1f1b", Layout.SINGLE, 2, _one_f_one_b, lambda p: p, split_backward=False, warmup_quota=False
+)
+ZB_1P = BlockFamily("zb-1p", Layout.SINGLE, 3, _zb_1p, lambda p: p, warmup_quota=False)

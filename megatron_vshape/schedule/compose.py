@@ -1,0 +1,271 @@
+"""Block -> schedule: repeat, then squeeze and reorder under the block's memory bound.
+
+Paper, section 4: a schedule is a building block repeated every ``interval`` slots, then
+squeezed (each pass as early as its dependencies allow) with the warm-up and cool-down
+reordered so that bubbles shrink while the peak memory never exceeds the block's bound.
+
+The order is built in *slots* (every pass one slot, no communication), so it does not depend
+on the costs; the simulator times it with real costs afterwards. One slot-level list scheduler
+does the squeeze and the reorders; on each rank, at each slot, it picks:
+
+    warm-up    (V blocks, before the first backward): chunk-1 F if ready and fewer than
+               min(i+1, bound/2) so far, else chunk-0 F, up to ``bound`` forwards in all
+    steady     a ready B first (it frees nothing and unblocks the pipeline), else the next
+               pass in block order, else the oldest pending W, else any ready F that fits
+    cool-down  (after the rank's last F): a ready B, else the oldest pending W (W last)
+
+Every F is admitted only while the rank's activations stay within the bound, so the bound
+holds by construction.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from .actions import Action, PassKind, ScheduleError
+from .blocks import BuildingBlock
+from .placement import Placement
+
+__all__ = ["repeat", "compose"]
+
+log = logging.getLogger(__name__)
+
+F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
+_INF = float("inf")
+
+
+def repeat(block: BuildingBlock, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Place microbatch k's passes at block slot + interval*k; W passes go FIFO into the
+    next free slot after their B. Returns each rank's passes sorted by slot."""
+    placement = Placement(block.ranks, block.layout)
+    orders = []
+    for rank, rank_slots in enumerate(block.slots):
+        timed = [
+            (slot + block.interval * k, Action(kind, placement.stage_of(rank, chunk), k))
+            for (kind, chunk), slot in rank_slots
+            for k in range(microbatches)
+        ]
+        timed.sort()
+        if block.split_backward:
+            timed = _place_weight_passes(timed, block.interval, {s % block.interval for s, _ in timed})
+        orders.append(tuple(a for _, a in timed))
+    return tuple(orders)
+
+
+def _place_weight_passes(timed, interval, used_residues):
+    """Merge W passes, first in first out, into the free residues after their B."""
+    free = sorted(set(range(interval)) - used_residues)
+    queue, out = deque(), []
+    base = timed[0][0] - timed[0][0] % interval
+    index = 0
+    while index < len(timed) or queue:
+        for residue in free:
+            slot = base + residue
+            while index < len(timed) and timed[index][0] < slot:
+                out.append(timed[index])
+                if timed[index][1].kind is B:
+                    queue.append(timed[index][1])
+                index += 1
+            if queue:
+                b = queue.popleft()
+                out.append((slot, Action(W, b.stage, b.microbatch)))
+        base += interval
+    return out
+
+
+@dataclass
+class _Rank:
+    """Per-rank state of the list scheduler."""
+
+    rank: int
+    stages: tuple[int, ...]  # stage of each chunk
+    order: list  # [slot_key, Action] in block order, with done marks
+    forwards: dict  # chunk -> deque of pending F actions, microbatch order
+    backwards: dict  # chunk -> deque of pending B/BW actions
+    warm_quota: dict  # chunk -> forwards allowed before the first backward
+    memory: int = 0
+    head: int = 0
+    pending_w: deque = field(default_factory=deque)
+    started_backward: bool = False
+    done: set = field(default_factory=set)
+    out: list = field(default_factory=list)
+
+
+class _ListScheduler:
+    """Slot-level list scheduling of block orders (see the module docstring)."""
+
+    def __init__(self, block, orders, microbatches: int, cap: int, policy: "ReorderPolicy"):
+        self.placement = Placement(block.ranks, block.layout)
+        self.stages = self.placement.num_stages
+        self.cap = cap
+        self.microbatches = microbatches
+        self.policy = policy
+        self.finished: dict[Action, int] = {}
+        self.ranks = [self._rank_state(r, orders[r], block, microbatches) for r in range(block.ranks)]
+
+    def _rank_state(self, rank, order, block, microbatches) -> _Rank:
+        chunks = range(self.placement.chunks)
+        stages = tuple(self.placement.stage_of(rank, c) for c in chunks)
+        quota = {c: microbatches for c in chunks}
+        if self.policy.warmup:
+            up = min(rank + 1, self.cap // 2, microbatches)
+            quota = {0: min(self.cap - up, microbatches), 1: up}
+        return _Rank(
+            rank=rank,
+            stages=stages,
+            order=list(order),
+            forwards={c: deque(a for a in order if a.kind is F and a.stage == stages[c]) for c in chunks},
+            backwards={c: deque(a for a in order if a.kind.is_backward and a.stage == stages[c]) for c in chunks},
+            warm_quota=quota if self.policy.warmup else {},
+        )
+
+    def ready(self, action: Action, t: int) -> bool:
+        from .deps import dependencies
+
+        return all(self.finished.get(d, _INF) <= t for d in dependencies(action, self.stages))
+
+    def run(self) -> list[list[Action]]:
+        total = sum(len(s.order) for s in self.ranks)
+        count, t, idle_since = 0, 0, 0
+        while count < total:
+            for state in self.ranks:
+                action = self._choose(state, t)
+                if action is not None:
+                    self._start(state, action, t)
+                    count += 1
+                    idle_since = t
+            t += 1
+            if t - idle_since > 1:
+                raise ScheduleError(f"list scheduler made no progress at slot {t}")
+        return [s.out for s in self.ranks]
+
+    def _start(self, state: _Rank, action: Action, t: int) -> None:
+        from .deps import completion_key
+
+        state.done.add(action)
+        state.out.append(action)
+        self.finished[completion_key(action)] = t + 1
+        if action.kind is F:
+            state.memory += 1
+            state.forwards[state.stages.index(action.stage)].popleft()
+        elif action.kind.is_backward:
+            state.started_backward = True
+            state.backwards[state.stages.index(action.stage)].remove(action)
+            if action.kind is B:
+                state.pending_w.append(Action(W, action.stage, action.microbatch))
+            else:
+                state.memory -= 1
+        else:
+            state.memory -= 1
+            state.pending_w.remove(action)
+
+    def _choose(self, state: _Rank, t: int) -> Action | None:
+        if state.warm_quota and not state.started_backward:
+            action = self._warmup(state, t)
+            if action is not None:
+                return action
+        if not any(state.forwards.values()):
+            return self._ready_backward(state, t) or self._oldest_w(state)
+        if self.policy.backward_first:
+            first = self._ready_backward(state, t) or self._head(state, t)
+        else:
+            first = self._head(state, t) or self._ready_backward(state, t)
+        return first or self._oldest_w(state) or self._ready_forward(state, t)
+
+    def _warmup(self, state: _Rank, t: int) -> Action | None:
+        for chunk in sorted(state.forwards, reverse=True):
+            queue = state.forwards[chunk]
+            issued = self.microbatches - len(queue)
+            if queue and issued < state.warm_quota[chunk] and self._fits(state, chunk):
+                if self.ready(queue[0], t):
+                    return queue[0]
+        return None
+
+    def _fits(self, state: _Rank, chunk: int) -> bool:
+        """Whether one more forward of ``chunk`` keeps the rank within the bound.
+
+        A chunk-0 forward may not take the last free slot while a chunk-1 forward is owed for a
+        microbatch already forwarded through chunk 0: that slot is what lets the oldest
+        microbatch in flight finish, so the pipeline can never lock up on memory.
+        """
+        owed = chunk == 0 and len(state.forwards) == 2 and len(state.forwards[1]) > len(state.forwards[0])
+        return state.memory + 1 + owed <= self.cap
+
+    def _ready_backward(self, state: _Rank, t: int) -> Action | None:
+        heads = [q[0] for q in state.backwards.values() if q and self.ready(q[0], t)]
+        if not heads:
+            return None
+        rank_in_order = {a: i for i, a in enumerate(heads)}
+        return min(heads, key=lambda a: (self._position(state, a), rank_in_order[a]))
+
+    def _position(self, state: _Rank, action: Action) -> int:
+        for i in range(state.head, len(state.order)):
+            if state.order[i] == action:
+                return i
+        return len(state.order)
+
+    def _head(self, state: _Rank, t: int) -> Action | None:
+        order = state.order
+        while state.head < len(order) and order[state.head] in state.done:
+            state.head += 1
+        if state.head == len(order):
+            return None
+        action = order[state.head]
+        if action.kind is W:
+            return action if action in state.pending_w else None
+        if action.kind is F and not self._fits(state, state.stages.index(action.stage)):
+            return None
+        return action if self.ready(action, t) else None
+
+    def _oldest_w(self, state: _Rank) -> Action | None:
+        return state.pending_w[0] if state.pending_w else None
+
+    def _ready_forward(self, state: _Rank, t: int) -> Action | None:
+        for chunk, queue in state.forwards.items():
+            if queue and self._fits(state, chunk) and self.ready(queue[0], t):
+                return queue[0]
+        return None
+
+
+@dataclass(frozen=True)
+class ReorderPolicy:
+    """One variant of the reorder passes. ``compose`` tries each and keeps the fastest."""
+
+    warmup: bool
+    """Fill the warm-up with forwards up to the bound (chunk-1 quota min(i+1, bound/2))."""
+    backward_first: bool
+    """In the steady phase, run a ready B before the next pass in block order."""
+
+
+POLICIES = tuple(ReorderPolicy(w, b) for w in (True, False) for b in (True, False))
+
+
+def _slot_makespan(placement: Placement, orders) -> tuple[int, ...]:
+    """Makespan of orders under unit slots, and the worst per-rank span; cost-independent."""
+    from .schedule import Schedule
+    from .simulate import simulate
+
+    result = simulate(Schedule("candidate", placement, 1, tuple(orders)))
+    return (round(result.makespan * placement.chunks), round(result.bubble_rate_span * 1e9))
+
+
+def compose(block: BuildingBlock, microbatches: int, reorder: bool = True):
+    """Per-rank action orders for ``microbatches`` microbatches of ``block``.
+
+    With ``reorder`` False the result is the repeated block order itself (1F1B is exactly that).
+    Otherwise the plain repeated order and each :data:`POLICIES` variant are scored in unit
+    slots and the fastest is kept; all of them respect the block's memory bound.
+    """
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    orders = repeat(block, microbatches)
+    if not reorder:
+        return orders
+    placement = Placement(block.ranks, block.layout)
+    cap = block.memory_bound_chunks
+    candidates = [orders]
+    for policy in POLICIES:
+        scheduler = _ListScheduler(block, orders, microbatches, cap, policy)
+        candidates.append(tuple(tuple(o) for o in scheduler.run()))
+    return min(candidates, key=lambda c: _slot_makespan(placement, c))

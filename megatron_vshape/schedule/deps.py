@@ -1,0 +1,44 @@
+"""The dependency rule, written once (paper, section 2) and imported by everything.
+
+For microbatch k and S global stages::
+
+    F(s, k)  after F(s-1, k)                      activations flow down the stages
+    B(s, k)  after B(s+1, k);  B(S-1, k) after F(S-1, k)   gradients flow back up; the loss
+    W(s, k)  after B(s, k)                        weight gradient needs the output gradient
+    BW       = B followed by W, with B's dependencies
+
+Whether a dependency crosses ranks (and so costs a hop and needs a send/receive pair) is the
+placement's business: the V's turn at rank p-1 and the loss at rank 0 are local.
+"""
+from __future__ import annotations
+
+from .actions import Action, PassKind
+
+__all__ = ["dependencies", "completion_key"]
+
+_F, _B, _W, _BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
+
+
+def completion_key(action: Action) -> Action:
+    """The event an action completes, as other actions refer to it.
+
+    A fused BW completes the input gradient, which others wait for as ``B``; every other
+    compute action completes itself.
+    """
+    if action.kind is _BW:
+        return Action(_B, action.stage, action.microbatch)
+    return action
+
+
+def dependencies(action: Action, num_stages: int) -> tuple[Action, ...]:
+    """Completion keys (see :func:`completion_key`) that ``action`` must wait for."""
+    kind, stage, mb = action
+    if kind is _F:
+        return (Action(_F, stage - 1, mb),) if stage > 0 else ()
+    if kind is _B or kind is _BW:
+        if stage == num_stages - 1:
+            return (Action(_F, stage, mb),)
+        return (Action(_B, stage + 1, mb),)
+    if kind is _W:
+        return (Action(_B, stage, mb),)
+    raise ValueError(f"dependencies are defined for compute actions only, got {action}")

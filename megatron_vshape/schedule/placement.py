@@ -1,0 +1,81 @@
+"""Placement: which rank and chunk run a global stage.
+
+This is the only place that knows the V. With p ranks and two chunks per rank (paper, section 3)::
+
+    V     stage:  0 1 2 3 | 4 5 6 7        rank r holds stage r (chunk 0, the down-leg)
+          rank :  0 1 2 3 | 3 2 1 0        and stage 2p-1-r (chunk 1, the up-leg)
+
+    loop  stage:  0 1 2 3 | 4 5 6 7        interleaved 1F1B: rank r holds stages r and p+r
+          rank :  0 1 2 3 | 0 1 2 3
+
+    single stage: 0 1 2 3                  1F1B, ZB-1P: one stage per rank
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .actions import ScheduleError
+
+__all__ = ["Layout", "Placement"]
+
+
+class Layout(enum.Enum):
+    """How global stages map onto ranks."""
+
+    SINGLE = "single"
+    V = "v"
+    LOOP = "loop"
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank."""
+        return 1 if self is Layout.SINGLE else 2
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Maps global stages to (rank, chunk) for ``ranks`` pipeline ranks."""
+
+    ranks: int
+    layout: Layout
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks, int) or self.ranks < 2:
+            raise ScheduleError(
+                f"ranks (pipeline-parallel size) must be an integer >= 2, got {self.ranks!r}; "
+                "with one rank there is no pipeline to schedule"
+            )
+
+    @property
+    def chunks(self) -> int:
+        return self.layout.chunks
+
+    @property
+    def num_stages(self) -> int:
+        return self.ranks * self.chunks
+
+    def locate(self, stage: int) -> tuple[int, int]:
+        """Return (rank, chunk) of a global stage."""
+        p = self.ranks
+        if not 0 <= stage < self.num_stages:
+            raise ScheduleError(f"stage {stage} out of range 0..{self.num_stages - 1}")
+        if self.layout is Layout.SINGLE:
+            return stage, 0
+        if self.layout is Layout.LOOP:
+            return stage % p, stage // p
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+
+    def rank_of(self, stage: int) -> int:
+        return self.locate(stage)[0]
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        """Inverse of :meth:`locate`."""
+        p = self.ranks
+        if not (0 <= rank < p and 0 <= chunk < self.chunks):
+            raise ScheduleError(f"no chunk {chunk} on rank {rank} for {self.layout.value} layout")
+        if self.layout is Layout.SINGLE:
+            return rank
+        if self.layout is Layout.LOOP:
+            return chunk * p + rank
+        return rank if chunk == 0 else 2 * p - 1 - rank

@@ -1,0 +1,61 @@
+"""The schedule value: per-rank action lists plus what is needed to interpret them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from .actions import Action, ScheduleError
+from .placement import Placement
+
+__all__ = ["Schedule"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered action lists for one training iteration.
+
+    ``memory_bound`` is the peak activation memory the generator promises (in units of one
+    microbatch's activations of one rank's whole share of layers), or None when it states none.
+    ``description`` says how the schedule was built (block, offsets, passes), for humans.
+    """
+
+    name: str
+    placement: Placement
+    microbatches: int
+    rank_actions: tuple[tuple[Action, ...], ...]
+    memory_bound: float | None = None
+    description: str = ""
+    lowered: bool = field(default=False)
+
+    def __post_init__(self) -> None:
+        if len(self.rank_actions) != self.placement.ranks:
+            raise ScheduleError(
+                f"schedule {self.name!r} has {len(self.rank_actions)} rank lists for "
+                f"{self.placement.ranks} ranks"
+            )
+
+    @property
+    def ranks(self) -> int:
+        return self.placement.ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    def compute_actions(self, rank: int) -> Iterator[Action]:
+        """The compute passes of a rank, in order (send/receive kinds skipped)."""
+        return (a for a in self.rank_actions[rank] if a.kind.is_compute)
+
+    def with_actions(self, rank_actions, **changes) -> "Schedule":
+        """A copy with other action lists (and optionally other fields)."""
+        values = dict(
+            name=self.name,
+            placement=self.placement,
+            microbatches=self.microbatches,
+            rank_actions=tuple(tuple(a) for a in rank_actions),
+            memory_bound=self.memory_bound,
+            description=self.description,
+            lowered=self.lowered,
+        )
+        values.update(changes)
+        return Schedule(**values)

@@ -1,0 +1,157 @@
+"""Simulator: time a schedule with given pass costs, and count its activation memory.
+
+Each rank runs its compute actions in order; an action starts when the previous one on its rank
+has ended and its dependencies (:mod:`.deps`) have completed, plus ``comm`` when a dependency
+comes from another rank. Memory depends only on each rank's order, never on the costs.
+
+Bubble rates (paper, section 5):
+
+- ``bubble_rate`` = 1 - (busiest rank's compute time) / makespan, over the whole iteration;
+- ``bubble_rate_span`` = max over ranks of 1 - (rank's compute time) / (rank's first start to
+  last end): the paper's per-rank count, which ignores the unavoidable pipeline fill.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .actions import Action, PassKind, ScheduleError
+from .costs import Costs, MemoryModel
+from .deps import completion_key, dependencies
+from .schedule import Schedule
+
+__all__ = ["SimResult", "simulate", "peak_memory", "DeadlockError"]
+
+
+class DeadlockError(ScheduleError):
+    """The ranks' orders wait on each other in a cycle (or on an action that never runs)."""
+
+    def __init__(self, message: str, rank: int, step: int, action: Action):
+        super().__init__(message)
+        self.rank, self.step, self.action = rank, step, action
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Timing and memory of one simulated iteration.
+
+    ``start``/``end`` align with the schedule's compute actions per rank (communication kinds of a
+    lowered schedule are skipped). Memory is in units of one microbatch's activations of one
+    rank's whole share of layers; 1F1B's rank 0 peaks at min(p, m) of them.
+    """
+
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
+    makespan: float
+    bubble_rate: float
+    bubble_rate_span: float
+    peak_memory: tuple[float, ...]
+    peak_memory_max: float
+    peak_memory_vs_1f1b: float
+
+
+def _durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, float]]:
+    if len(costs.forward) != schedule.ranks:
+        raise ScheduleError(
+            f"costs are given for {len(costs.forward)} ranks, schedule has {schedule.ranks}"
+        )
+    share = schedule.placement.chunks
+    return [
+        {
+            PassKind.F: costs.forward[r] / share,
+            PassKind.B: costs.backward[r] / share,
+            PassKind.W: costs.weight[r] / share,
+            PassKind.BW: (costs.backward[r] + costs.weight[r]) / share,
+        }
+        for r in range(schedule.ranks)
+    ]
+
+
+def peak_memory(schedule: Schedule, memory: MemoryModel = MemoryModel()) -> tuple[float, ...]:
+    """Per-rank peak activation memory (units above) of the schedule's order."""
+    delta = {
+        PassKind.F: memory.forward,
+        PassKind.B: memory.backward,
+        PassKind.W: memory.weight,
+        PassKind.BW: memory.backward + memory.weight,
+    }
+    peaks = []
+    for r in range(schedule.ranks):
+        level = best = 0.0
+        for action in schedule.compute_actions(r):
+            level += delta[action.kind]
+            best = max(best, level)
+        peaks.append(best / schedule.placement.chunks)
+    return tuple(peaks)
+
+
+def _time(schedule: Schedule, costs: Costs):
+    """Start/end of every compute action, by dataflow: each rank advances until it blocks."""
+    p, stages = schedule.ranks, schedule.num_stages
+    rank_of = [schedule.placement.rank_of(s) for s in range(stages)]
+    acts = [tuple(schedule.compute_actions(r)) for r in range(p)]
+    dur = _durations(schedule, costs)
+    starts = [[0.0] * len(a) for a in acts]
+    ends = [[0.0] * len(a) for a in acts]
+    done: dict[Action, float] = {}
+    waiting: dict[Action, list[int]] = {}
+    ptr, clock = [0] * p, [0.0] * p
+    pending = list(range(p))
+    while pending:
+        r = pending.pop()
+        i, t, mine, dur_r = ptr[r], clock[r], acts[r], dur[r]
+        while i < len(mine):
+            action = mine[i]
+            ready = t
+            for dep in dependencies(action, stages):
+                finished = done.get(dep)
+                if finished is None:
+                    waiting.setdefault(dep, []).append(r)
+                    break
+                if rank_of[dep.stage] != r:
+                    finished += costs.comm
+                ready = max(ready, finished)
+            else:
+                t = ready + dur_r[action.kind]
+                starts[r][i], ends[r][i] = ready, t
+                key = completion_key(action)
+                done[key] = t
+                pending.extend(waiting.pop(key, ()))
+                i += 1
+                continue
+            break
+        ptr[r], clock[r] = i, t
+    for r in range(p):
+        if ptr[r] < len(acts[r]):
+            action = acts[r][ptr[r]]
+            raise DeadlockError(
+                f"rank {r} step {ptr[r]}: {action} (stage {action.stage}, microbatch "
+                f"{action.microbatch}) waits for {list(dependencies(action, stages))} forever",
+                r, ptr[r], action,
+            )
+    return acts, starts, ends, dur
+
+
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, memory: MemoryModel = MemoryModel()
+) -> SimResult:
+    """Time ``schedule`` under ``costs`` (default: F = B = W = 1, no comm)."""
+    costs = costs or Costs.build(schedule.ranks)
+    acts, starts, ends, dur = _time(schedule, costs)
+    busy = [sum(dur[r][a.kind] for a in acts[r]) for r in range(schedule.ranks)]
+    used = [r for r in range(schedule.ranks) if acts[r]]
+    first = min(starts[r][0] for r in used)
+    last = max(ends[r][-1] for r in used)
+    makespan = last - first
+    span = max(1.0 - busy[r] / (ends[r][-1] - starts[r][0]) for r in used)
+    peaks = peak_memory(schedule, memory)
+    reference = min(schedule.ranks, schedule.microbatches) * memory.forward
+    return SimResult(
+        start=tuple(tuple(s) for s in starts),
+        end=tuple(tuple(e) for e in ends),
+        makespan=makespan,
+        bubble_rate=max(0.0, 1.0 - max(busy) / makespan),
+        bubble_rate_span=max(0.0, span),
+        peak_memory=peaks,
+        peak_memory_max=max(peaks),
+        peak_memory_vs_1f1b=max(peaks) / reference,
+    )
