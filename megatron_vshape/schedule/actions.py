@@ -33,6 +33,10 @@ class PassKind(enum.Enum):
     SEND_B = "SB"
     RECV_B = "RB"
 
+    # Members are singletons compared by identity; hashing by identity keeps the schedule
+    # builders' dictionaries fast (Enum's default hashes the member name in Python code).
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
         """True for F, B, W and BW: the passes that take compute time and change memory."""

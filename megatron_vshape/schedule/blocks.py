@@ -50,8 +50,9 @@ class BuildingBlock:
     """True when B and W are separate passes (W placed FIFO); False for a fused BW."""
     memory_bound: float
     """Stated peak activation memory, in units (one microbatch, one rank's whole share)."""
-    warmup_quota: bool
-    """True to fill the warm-up with forwards up to the bound (V blocks); False keeps the order."""
+    reorders: tuple[str, ...]
+    """Reorder variants that ``compose`` tries, fastest kept: "plain" (the repeated order, only
+    squeezed), "head" (list scheduling in block order) and "backward" (a ready B first)."""
 
     def __post_init__(self) -> None:
         for rank, rank_slots in enumerate(self.slots):
@@ -79,7 +80,7 @@ class BlockFamily:
     """(p, rank) -> {(kind, chunk): slot} for microbatch 0."""
     memory_bound: Callable[[int], float]
     split_backward: bool = True
-    warmup_quota: bool = True
+    reorders: tuple[str, ...] = ("plain", "head", "backward")
 
     def build(self, ranks: int) -> BuildingBlock:
         if not isinstance(ranks, int) or ranks < 2:
@@ -99,7 +100,7 @@ class BlockFamily:
             slots=slots,
             split_backward=self.split_backward,
             memory_bound=self.memory_bound(ranks),
-            warmup_quota=self.warmup_quota,
+            reorders=self.reorders,
         )
 
 
@@ -132,8 +133,8 @@ def _zb_1p(p: int, i: int) -> dict:
 
 V_MIN = BlockFamily("v-min", Layout.V, 6, _v_min, lambda p: (p + 4) // 3)
 V_HALF = BlockFamily("v-half", Layout.V, 6, _v_half, lambda p: (p + 2) // 2)
-V_ZB = BlockFamily("v-zb", Layout.V, 6, _v_zb, lambda p: p)
+V_ZB = BlockFamily("v-zb", Layout.V, 6, _v_zb, lambda p: p, reorders=("head",))
 ONE_F_ONE_B = BlockFamily(
-    "1f1b", Layout.SINGLE, 2, _one_f_one_b, lambda p: p, split_backward=False, warmup_quota=False
+    "1f1b", Layout.SINGLE, 2, _one_f_one_b, lambda p: p, split_backward=False, reorders=("plain",)
 )
-ZB_1P = BlockFamily("zb-1p", Layout.SINGLE, 3, _zb_1p, lambda p: p, warmup_quota=False)
+ZB_1P = BlockFamily("zb-1p", Layout.SINGLE, 3, _zb_1p, lambda p: p, reorders=("plain",))

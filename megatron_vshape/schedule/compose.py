@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from .actions import Action, PassKind, ScheduleError
 from .blocks import BuildingBlock
+from .deps import completion_key, dependencies
 from .placement import Placement
 
 __all__ = ["repeat", "compose"]
@@ -80,7 +81,8 @@ class _Rank:
 
     rank: int
     stages: tuple[int, ...]  # stage of each chunk
-    order: list  # [slot_key, Action] in block order, with done marks
+    order: list  # actions in block order
+    position: dict  # action -> index in ``order``
     forwards: dict  # chunk -> deque of pending F actions, microbatch order
     backwards: dict  # chunk -> deque of pending B/BW actions
     warm_quota: dict  # chunk -> forwards allowed before the first backward
@@ -115,15 +117,18 @@ class _ListScheduler:
             rank=rank,
             stages=stages,
             order=list(order),
+            position={a: i for i, a in enumerate(order)},
             forwards={c: deque(a for a in order if a.kind is F and a.stage == stages[c]) for c in chunks},
             backwards={c: deque(a for a in order if a.kind.is_backward and a.stage == stages[c]) for c in chunks},
             warm_quota=quota if self.policy.warmup else {},
         )
 
     def ready(self, action: Action, t: int) -> bool:
-        from .deps import dependencies
-
-        return all(self.finished.get(d, _INF) <= t for d in dependencies(action, self.stages))
+        finished = self.finished
+        for dep in dependencies(action, self.stages):
+            if finished.get(dep, _INF) > t:
+                return False
+        return True
 
     def run(self) -> list[list[Action]]:
         total = sum(len(s.order) for s in self.ranks)
@@ -141,8 +146,6 @@ class _ListScheduler:
         return [s.out for s in self.ranks]
 
     def _start(self, state: _Rank, action: Action, t: int) -> None:
-        from .deps import completion_key
-
         state.done.add(action)
         state.out.append(action)
         self.finished[completion_key(action)] = t + 1
@@ -151,7 +154,9 @@ class _ListScheduler:
             state.forwards[state.stages.index(action.stage)].popleft()
         elif action.kind.is_backward:
             state.started_backward = True
-            state.backwards[state.stages.index(action.stage)].remove(action)
+            queue = state.backwards[state.stages.index(action.stage)]
+            assert queue[0] == action, "backwards of a chunk run in microbatch order"
+            queue.popleft()
             if action.kind is B:
                 state.pending_w.append(Action(W, action.stage, action.microbatch))
             else:
@@ -196,14 +201,7 @@ class _ListScheduler:
         heads = [q[0] for q in state.backwards.values() if q and self.ready(q[0], t)]
         if not heads:
             return None
-        rank_in_order = {a: i for i, a in enumerate(heads)}
-        return min(heads, key=lambda a: (self._position(state, a), rank_in_order[a]))
-
-    def _position(self, state: _Rank, action: Action) -> int:
-        for i in range(state.head, len(state.order)):
-            if state.order[i] == action:
-                return i
-        return len(state.order)
+        return min(heads, key=state.position.__getitem__)
 
     def _head(self, state: _Rank, t: int) -> Action | None:
         order = state.order
@@ -230,7 +228,7 @@ class _ListScheduler:
 
 @dataclass(frozen=True)
 class ReorderPolicy:
-    """One variant of the reorder passes. ``compose`` tries each and keeps the fastest."""
+    """One variant of the reorder passes; a block lists the variants ``compose`` tries."""
 
     warmup: bool
     """Fill the warm-up with forwards up to the bound (chunk-1 quota min(i+1, bound/2))."""
@@ -238,7 +236,10 @@ class ReorderPolicy:
     """In the steady phase, run a ready B before the next pass in block order."""
 
 
-POLICIES = tuple(ReorderPolicy(w, b) for w in (True, False) for b in (True, False))
+POLICIES = {
+    "head": ReorderPolicy(warmup=True, backward_first=False),
+    "backward": ReorderPolicy(warmup=True, backward_first=True),
+}
 
 
 def _slot_makespan(placement: Placement, orders) -> tuple[int, ...]:
@@ -250,22 +251,23 @@ def _slot_makespan(placement: Placement, orders) -> tuple[int, ...]:
     return (round(result.makespan * placement.chunks), round(result.bubble_rate_span * 1e9))
 
 
-def compose(block: BuildingBlock, microbatches: int, reorder: bool = True):
+def compose(block: BuildingBlock, microbatches: int):
     """Per-rank action orders for ``microbatches`` microbatches of ``block``.
 
-    With ``reorder`` False the result is the repeated block order itself (1F1B is exactly that).
-    Otherwise the plain repeated order and each :data:`POLICIES` variant are scored in unit
-    slots and the fastest is kept; all of them respect the block's memory bound.
+    Each of the block's reorder variants is built and scored in unit slots; the fastest is kept.
+    All of them respect the block's memory bound. 1F1B is its plain repeated order.
     """
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
     orders = repeat(block, microbatches)
-    if not reorder:
-        return orders
-    placement = Placement(block.ranks, block.layout)
-    cap = block.memory_bound_chunks
-    candidates = [orders]
-    for policy in POLICIES:
-        scheduler = _ListScheduler(block, orders, microbatches, cap, policy)
+    candidates = []
+    for name in block.reorders:
+        if name == "plain":
+            candidates.append(orders)
+            continue
+        scheduler = _ListScheduler(block, orders, microbatches, block.memory_bound_chunks, POLICIES[name])
         candidates.append(tuple(tuple(o) for o in scheduler.run()))
+    if len(candidates) == 1:
+        return candidates[0]
+    placement = Placement(block.ranks, block.layout)
     return min(candidates, key=lambda c: _slot_makespan(placement, c))

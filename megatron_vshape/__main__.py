@@ -1,0 +1,4 @@
+"""``python -m megatron_vshape`` is the ``vshape`` command."""
+from .cli import main
+
+raise SystemExit(main())
