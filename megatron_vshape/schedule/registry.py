@@ -49,6 +49,11 @@ def interleaved_1f1b(ranks: int, microbatches: int) -> Schedule:
     with 2(p-r-1) + p forwards, then alternates one forward and one fused backward.
     """
     p, m = ranks, microbatches
+    if m % p:
+        raise ScheduleError(
+            f"interleaved-1f1b needs microbatches divisible by ranks (as megatron-core requires), "
+            f"got microbatches={m}, ranks={p}; use a multiple of {p}, e.g. {p * max(1, m // p)}"
+        )
     placement = Placement(p, Layout.LOOP)
     groups = [range(g, min(g + p, m)) for g in range(0, m, p)]
     fwd = [(c, k) for grp in groups for c in (0, 1) for k in grp]

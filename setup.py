@@ -1,0 +1,20 @@
+"""megatron-vshape: memory-controllable V-shape pipeline schedules for megatron-core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-vshape",
+    version="0.1.0",
+    description="V-Min / V-Half / V-ZB pipeline schedules (arXiv 2405.15362) for megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_vshape", "megatron_vshape.*"]),
+    python_requires=">=3.10",
+    install_requires=[],  # the schedule core is standard library only
+    extras_require={
+        # torch must be pinned or preinstalled: an open range pulls several GB of CUDA wheels.
+        "megatron": ["torch==2.13.0", "megatron-core==0.16.*", "psutil"],
+        "plot": ["matplotlib"],
+        "test": ["pytest", "hypothesis", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},
+)
