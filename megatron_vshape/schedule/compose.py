@@ -27,6 +27,8 @@ from .actions import Action, PassKind, ScheduleError
 from .blocks import BuildingBlock
 from .deps import completion_key, dependencies
 from .placement import Placement
+from .schedule import Schedule
+from .simulate import simulate
 
 __all__ = ["repeat", "compose"]
 
@@ -109,10 +111,8 @@ class _ListScheduler:
     def _rank_state(self, rank, order, block, microbatches) -> _Rank:
         chunks = range(self.placement.chunks)
         stages = tuple(self.placement.stage_of(rank, c) for c in chunks)
-        quota = {c: microbatches for c in chunks}
-        if self.policy.warmup:
-            up = min(rank + 1, self.cap // 2, microbatches)
-            quota = {0: min(self.cap - up, microbatches), 1: up}
+        up = min(rank + 1, self.cap // 2, microbatches)
+        quota = {0: min(self.cap - up, microbatches), 1: up}
         return _Rank(
             rank=rank,
             stages=stages,
@@ -120,7 +120,7 @@ class _ListScheduler:
             position={a: i for i, a in enumerate(order)},
             forwards={c: deque(a for a in order if a.kind is F and a.stage == stages[c]) for c in chunks},
             backwards={c: deque(a for a in order if a.kind.is_backward and a.stage == stages[c]) for c in chunks},
-            warm_quota=quota if self.policy.warmup else {},
+            warm_quota=quota,
         )
 
     def ready(self, action: Action, t: int) -> bool:
@@ -230,23 +230,18 @@ class _ListScheduler:
 class ReorderPolicy:
     """One variant of the reorder passes; a block lists the variants ``compose`` tries."""
 
-    warmup: bool
-    """Fill the warm-up with forwards up to the bound (chunk-1 quota min(i+1, bound/2))."""
     backward_first: bool
     """In the steady phase, run a ready B before the next pass in block order."""
 
 
 POLICIES = {
-    "head": ReorderPolicy(warmup=True, backward_first=False),
-    "backward": ReorderPolicy(warmup=True, backward_first=True),
+    "head": ReorderPolicy(backward_first=False),
+    "backward": ReorderPolicy(backward_first=True),
 }
 
 
 def _slot_makespan(placement: Placement, orders) -> tuple[int, ...]:
     """Makespan of orders under unit slots, and the worst per-rank span; cost-independent."""
-    from .schedule import Schedule
-    from .simulate import simulate
-
     result = simulate(Schedule("candidate", placement, 1, tuple(orders)))
     return (round(result.makespan * placement.chunks), round(result.bubble_rate_span * 1e9))
 

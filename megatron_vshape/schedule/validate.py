@@ -22,7 +22,7 @@ from .deps import completion_key, dependencies
 from .lower import lower, message_of
 from .render_text import render_steps
 from .schedule import Schedule
-from .simulate import DeadlockError, peak_memory
+from .simulate import DeadlockError, peak_memory, simulate
 
 __all__ = ["ValidationError", "validate"]
 
@@ -127,8 +127,6 @@ def validate(
     """Raise :class:`ValidationError` unless ``schedule`` is complete, ordered, deadlock-free
     and within ``memory_limit`` units (see the module docstring)."""
     _check_coverage(schedule)
-    from .simulate import simulate
-
     try:
         simulate(schedule)
     except DeadlockError as err:
