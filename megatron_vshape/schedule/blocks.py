@@ -51,8 +51,7 @@ class BuildingBlock:
     memory_bound: float
     """Stated peak activation memory, in units (one microbatch, one rank's whole share)."""
     reorders: tuple[str, ...]
-    """Reorder variants that ``compose`` tries, fastest kept: "plain" (the repeated order, only
-    squeezed), "head" (list scheduling in block order) and "backward" (a ready B first)."""
+    """Reorder variants that ``compose`` tries, fastest kept (names in ``compose.REORDERS``)."""
 
     def __post_init__(self) -> None:
         for rank, rank_slots in enumerate(self.slots):
@@ -80,7 +79,8 @@ class BlockFamily:
     """(p, rank) -> {(kind, chunk): slot} for microbatch 0."""
     memory_bound: Callable[[int], float]
     split_backward: bool = True
-    reorders: tuple[str, ...] = ("plain", "head", "backward")
+    reorders: Callable[[int], tuple[str, ...]] = lambda p: ("plain",)
+    """p -> the reorder variants ``compose`` tries for this block (see ``compose.REORDERS``)."""
 
     def build(self, ranks: int) -> BuildingBlock:
         if not isinstance(ranks, int) or ranks < 2:
@@ -100,7 +100,7 @@ class BlockFamily:
             slots=slots,
             split_backward=self.split_backward,
             memory_bound=self.memory_bound(ranks),
-            reorders=self.reorders,
+            reorders=self.reorders(ranks),
         )
 
 
@@ -131,10 +131,21 @@ def _zb_1p(p: int, i: int) -> dict:
     return {(F, 0): 0, (B, 0): 3 * (p - 1 - i) + 1}
 
 
-V_MIN = BlockFamily("v-min", Layout.V, 6, _v_min, lambda p: (p + 4) // 3)
-V_HALF = BlockFamily("v-half", Layout.V, 6, _v_half, lambda p: (p + 2) // 2)
-V_ZB = BlockFamily("v-zb", Layout.V, 6, _v_zb, lambda p: p, reorders=("head",))
-ONE_F_ONE_B = BlockFamily(
-    "1f1b", Layout.SINGLE, 2, _one_f_one_b, lambda p: p, split_backward=False, reorders=("plain",)
-)
-ZB_1P = BlockFamily("zb-1p", Layout.SINGLE, 3, _zb_1p, lambda p: p, reorders=("plain",))
+def _v_half_reorders(p: int) -> tuple[str, ...]:
+    # Measured over p = 2..24 and m = 1..8p: the cool-down reorder is never worse than the plain
+    # repeated order; list scheduling in block order beats it only for p <= 4 (p = 2: 0.04 vs
+    # 0.11 bubble at m = 4) and costs seconds at p = 64, so it is tried only there.
+    return ("cooldown", "head") if p <= 4 else ("cooldown",)
+
+
+V_MIN = BlockFamily("v-min", Layout.V, 6, _v_min, lambda p: (p + 4) // 3, reorders=lambda p: ("cooldown",))
+V_HALF = BlockFamily("v-half", Layout.V, 6, _v_half, lambda p: (p + 2) // 2, reorders=_v_half_reorders)
+# V-ZB is not built from its repeated block (neither is the reference's): the hand-written
+# ZB-V order reaches zero bubble per rank. The block data still describes it (memory, offsets)
+# and can be list-scheduled ("head") for comparison.
+V_ZB = BlockFamily("v-zb", Layout.V, 6, _v_zb, lambda p: p, reorders=lambda p: ("zbv",))
+ONE_F_ONE_B = BlockFamily("1f1b", Layout.SINGLE, 2, _one_f_one_b, lambda p: p, split_backward=False)
+# ZB-1P keeps its plain repeated order: deferring W passes in unit slots (zero bubble's ZB-H1
+# idea) gains at uniform costs (0.094 vs 0.111 bubble, p=4, m=16) but loses to 1F1B once
+# F, B and W differ (0.172 vs 0.121 at costs 1,1.2,0.8), while the plain order stays robust.
+ZB_1P = BlockFamily("zb-1p", Layout.SINGLE, 3, _zb_1p, lambda p: p)

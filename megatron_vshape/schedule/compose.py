@@ -4,38 +4,38 @@ Paper, section 4: a schedule is a building block repeated every ``interval`` slo
 squeezed (each pass as early as its dependencies allow) with the warm-up and cool-down
 reordered so that bubbles shrink while the peak memory never exceeds the block's bound.
 
-The order is built in *slots* (every pass one slot, no communication), so it does not depend
-on the costs; the simulator times it with real costs afterwards. One slot-level list scheduler
-does the squeeze and the reorders; on each rank, at each slot, it picks:
+Orders are built in *slots* (every pass one slot, no communication), so they do not depend on
+the costs; the simulator times them with real costs afterwards. A block names the reorder
+variants worth trying (``BuildingBlock.reorders``):
 
-    warm-up    (V blocks, before the first backward): chunk-1 F if ready and fewer than
-               min(i+1, bound/2) so far, else chunk-0 F, up to ``bound`` forwards in all
-    steady     a ready B first (it frees nothing and unblocks the pipeline), else the next
-               pass in block order, else the oldest pending W, else any ready F that fits
-    cool-down  (after the rank's last F): a ready B, else the oldest pending W (W last)
+    plain      the repeated order, squeezed only
+    cooldown   plain until the rank's last chunk-0 F, then backwards tight, W last (cooldown.py)
+    head       slot-level list scheduling in block order (list_scheduler.py)
+    backward   the same, a ready B first
+    zbv        the hand-written ZB-V order (zbv.py), for the V-ZB block
 
-Every F is admitted only while the rank's activations stay within the bound, so the bound
-holds by construction.
+Each is scored in unit slots and the fastest kept; every candidate stays within the bound
+(checked here: a variant that cannot make it is dropped, and the plain order is the fallback).
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from .actions import Action, PassKind, ScheduleError
 from .blocks import BuildingBlock
-from .deps import completion_key, dependencies
+from .cooldown import cool_down
+from .list_scheduler import POLICIES, list_schedule
 from .placement import Placement
 from .schedule import Schedule
-from .simulate import simulate
+from .simulate import peak_memory, simulate
+from .zbv import zbv_order
 
-__all__ = ["repeat", "compose"]
+__all__ = ["repeat", "compose", "REORDERS"]
 
 log = logging.getLogger(__name__)
 
-F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
-_INF = float("inf")
+F, B, W = PassKind.F, PassKind.B, PassKind.W
 
 
 def repeat(block: BuildingBlock, microbatches: int) -> tuple[tuple[Action, ...], ...]:
@@ -77,192 +77,71 @@ def _place_weight_passes(timed, interval, used_residues):
     return out
 
 
-@dataclass
-class _Rank:
-    """Per-rank state of the list scheduler."""
-
-    rank: int
-    stages: tuple[int, ...]  # stage of each chunk
-    order: list  # actions in block order
-    position: dict  # action -> index in ``order``
-    forwards: dict  # chunk -> deque of pending F actions, microbatch order
-    backwards: dict  # chunk -> deque of pending B/BW actions
-    warm_quota: dict  # chunk -> forwards allowed before the first backward
-    memory: int = 0
-    head: int = 0
-    pending_w: deque = field(default_factory=deque)
-    started_backward: bool = False
-    done: set = field(default_factory=set)
-    out: list = field(default_factory=list)
-
-
-class _ListScheduler:
-    """Slot-level list scheduling of block orders (see the module docstring)."""
-
-    def __init__(self, block, orders, microbatches: int, cap: int, policy: "ReorderPolicy"):
-        self.placement = Placement(block.ranks, block.layout)
-        self.stages = self.placement.num_stages
-        self.cap = cap
-        self.microbatches = microbatches
-        self.policy = policy
-        self.finished: dict[Action, int] = {}
-        self.ranks = [self._rank_state(r, orders[r], block, microbatches) for r in range(block.ranks)]
-
-    def _rank_state(self, rank, order, block, microbatches) -> _Rank:
-        chunks = range(self.placement.chunks)
-        stages = tuple(self.placement.stage_of(rank, c) for c in chunks)
-        up = min(rank + 1, self.cap // 2, microbatches)
-        quota = {0: min(self.cap - up, microbatches), 1: up}
-        return _Rank(
-            rank=rank,
-            stages=stages,
-            order=list(order),
-            position={a: i for i, a in enumerate(order)},
-            forwards={c: deque(a for a in order if a.kind is F and a.stage == stages[c]) for c in chunks},
-            backwards={c: deque(a for a in order if a.kind.is_backward and a.stage == stages[c]) for c in chunks},
-            warm_quota=quota,
-        )
-
-    def ready(self, action: Action, t: int) -> bool:
-        finished = self.finished
-        for dep in dependencies(action, self.stages):
-            if finished.get(dep, _INF) > t:
-                return False
-        return True
-
-    def run(self) -> list[list[Action]]:
-        total = sum(len(s.order) for s in self.ranks)
-        count, t, idle_since = 0, 0, 0
-        while count < total:
-            for state in self.ranks:
-                action = self._choose(state, t)
-                if action is not None:
-                    self._start(state, action, t)
-                    count += 1
-                    idle_since = t
-            t += 1
-            if t - idle_since > 1:
-                raise ScheduleError(f"list scheduler made no progress at slot {t}")
-        return [s.out for s in self.ranks]
-
-    def _start(self, state: _Rank, action: Action, t: int) -> None:
-        state.done.add(action)
-        state.out.append(action)
-        self.finished[completion_key(action)] = t + 1
-        if action.kind is F:
-            state.memory += 1
-            state.forwards[state.stages.index(action.stage)].popleft()
-        elif action.kind.is_backward:
-            state.started_backward = True
-            queue = state.backwards[state.stages.index(action.stage)]
-            assert queue[0] == action, "backwards of a chunk run in microbatch order"
-            queue.popleft()
-            if action.kind is B:
-                state.pending_w.append(Action(W, action.stage, action.microbatch))
-            else:
-                state.memory -= 1
-        else:
-            state.memory -= 1
-            state.pending_w.remove(action)
-
-    def _choose(self, state: _Rank, t: int) -> Action | None:
-        if state.warm_quota and not state.started_backward:
-            action = self._warmup(state, t)
-            if action is not None:
-                return action
-        if not any(state.forwards.values()):
-            return self._ready_backward(state, t) or self._oldest_w(state)
-        if self.policy.backward_first:
-            first = self._ready_backward(state, t) or self._head(state, t)
-        else:
-            first = self._head(state, t) or self._ready_backward(state, t)
-        return first or self._oldest_w(state) or self._ready_forward(state, t)
-
-    def _warmup(self, state: _Rank, t: int) -> Action | None:
-        for chunk in sorted(state.forwards, reverse=True):
-            queue = state.forwards[chunk]
-            issued = self.microbatches - len(queue)
-            if queue and issued < state.warm_quota[chunk] and self._fits(state, chunk):
-                if self.ready(queue[0], t):
-                    return queue[0]
-        return None
-
-    def _fits(self, state: _Rank, chunk: int) -> bool:
-        """Whether one more forward of ``chunk`` keeps the rank within the bound.
-
-        A chunk-0 forward may not take the last free slot while a chunk-1 forward is owed for a
-        microbatch already forwarded through chunk 0: that slot is what lets the oldest
-        microbatch in flight finish, so the pipeline can never lock up on memory.
-        """
-        owed = chunk == 0 and len(state.forwards) == 2 and len(state.forwards[1]) > len(state.forwards[0])
-        return state.memory + 1 + owed <= self.cap
-
-    def _ready_backward(self, state: _Rank, t: int) -> Action | None:
-        heads = [q[0] for q in state.backwards.values() if q and self.ready(q[0], t)]
-        if not heads:
-            return None
-        return min(heads, key=state.position.__getitem__)
-
-    def _head(self, state: _Rank, t: int) -> Action | None:
-        order = state.order
-        while state.head < len(order) and order[state.head] in state.done:
-            state.head += 1
-        if state.head == len(order):
-            return None
-        action = order[state.head]
-        if action.kind is W:
-            return action if action in state.pending_w else None
-        if action.kind is F and not self._fits(state, state.stages.index(action.stage)):
-            return None
-        return action if self.ready(action, t) else None
-
-    def _oldest_w(self, state: _Rank) -> Action | None:
-        return state.pending_w[0] if state.pending_w else None
-
-    def _ready_forward(self, state: _Rank, t: int) -> Action | None:
-        for chunk, queue in state.forwards.items():
-            if queue and self._fits(state, chunk) and self.ready(queue[0], t):
-                return queue[0]
-        return None
-
-
-@dataclass(frozen=True)
-class ReorderPolicy:
-    """One variant of the reorder passes; a block lists the variants ``compose`` tries."""
-
-    backward_first: bool
-    """In the steady phase, run a ready B before the next pass in block order."""
-
-
-POLICIES = {
-    "head": ReorderPolicy(backward_first=False),
-    "backward": ReorderPolicy(backward_first=True),
-}
-
-
-def _slot_makespan(placement: Placement, orders) -> tuple[int, ...]:
+def _slot_score(placement: Placement, orders) -> tuple[int, int]:
     """Makespan of orders under unit slots, and the worst per-rank span; cost-independent."""
     result = simulate(Schedule("candidate", placement, 1, tuple(orders)))
     return (round(result.makespan * placement.chunks), round(result.bubble_rate_span * 1e9))
 
 
-def compose(block: BuildingBlock, microbatches: int):
+def _plain(block, orders, microbatches):
+    return orders
+
+
+def _cooldown(block, orders, microbatches):
+    placement = Placement(block.ranks, block.layout)
+    return tuple(tuple(o) for o in cool_down(orders, placement, block.memory_bound_chunks))
+
+
+def _policy(name):
+    return lambda block, orders, microbatches: list_schedule(block, orders, microbatches, POLICIES[name])
+
+
+def _zbv(block, orders, microbatches):
+    if block.layout.chunks != 2:
+        raise ScheduleError("the ZB-V order needs the V layout")
+    return zbv_order(block.ranks, microbatches)
+
+
+REORDERS = {
+    "plain": _plain,
+    "cooldown": _cooldown,
+    "head": _policy("head"),
+    "backward": _policy("backward"),
+    "zbv": _zbv,
+}
+"""Reorder variant name -> (block, repeated orders, microbatches) -> per-rank orders."""
+
+
+def compose(block: BuildingBlock, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """Per-rank action orders for ``microbatches`` microbatches of ``block``.
 
-    Each of the block's reorder variants is built and scored in unit slots; the fastest is kept.
-    All of them respect the block's memory bound. 1F1B is its plain repeated order.
+    Each of the block's reorder variants is built and scored in unit slots; the fastest one
+    within the block's memory bound is kept (ties: the first listed).
     """
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    unknown = [name for name in block.reorders if name not in REORDERS]
+    if unknown:
+        raise ScheduleError(f"block {block.name}: unknown reorders {unknown}; valid: {sorted(REORDERS)}")
     orders = repeat(block, microbatches)
+    placement = Placement(block.ranks, block.layout)
     candidates = []
     for name in block.reorders:
-        if name == "plain":
-            candidates.append(orders)
+        try:
+            candidate = REORDERS[name](block, orders, microbatches)
+        except ScheduleError as err:
+            log.debug("reorder %s of %s dropped: %s", name, block.name, err)
             continue
-        scheduler = _ListScheduler(block, orders, microbatches, block.memory_bound_chunks, POLICIES[name])
-        candidates.append(tuple(tuple(o) for o in scheduler.run()))
+        if _fits(placement, candidate, block.memory_bound):
+            candidates.append(candidate)
+    if not candidates:
+        if not _fits(placement, orders, block.memory_bound):
+            raise ScheduleError(f"block {block.name}: no reorder variant fits its memory bound")
+        candidates.append(orders)
     if len(candidates) == 1:
         return candidates[0]
-    placement = Placement(block.ranks, block.layout)
-    return min(candidates, key=lambda c: _slot_makespan(placement, c))
+    return min(candidates, key=lambda c: _slot_score(placement, c))
+
+
+def _fits(placement: Placement, orders, bound: float) -> bool:
+    return max(peak_memory(Schedule("candidate", placement, 1, tuple(orders)))) <= bound + 1e-9

@@ -1,0 +1,58 @@
+"""The reorder variants compose chooses from: cool-down pass, ZB-V order, list scheduling."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_vshape.schedule import Layout, Placement, PassKind, Schedule, simulate, validate
+from megatron_vshape.schedule.blocks import V_HALF, V_MIN, ZB_1P
+from megatron_vshape.schedule.compose import REORDERS, compose, repeat
+from megatron_vshape.schedule.simulate import peak_memory
+from megatron_vshape.schedule.zbv import zbv_order
+
+
+def _schedule(orders, layout, p, m):
+    return Schedule("t", Placement(p, layout), m, tuple(tuple(o) for o in orders))
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(2, 16), m_factor=st.floats(0.1, 6), family=st.sampled_from([V_MIN, V_HALF, ZB_1P]))
+def test_cool_down_keeps_bound_and_never_loses_to_plain(p, m_factor, family):
+    m = max(1, round(m_factor * p))
+    block = family.build(p)
+    plain = repeat(block, m)
+    cooled = REORDERS["cooldown"](block, plain, m)
+    schedule = _schedule(cooled, block.layout, p, m)
+    validate(schedule)
+    assert max(peak_memory(schedule)) <= block.memory_bound
+    before = simulate(_schedule(plain, block.layout, p, m)).makespan
+    assert simulate(schedule).makespan <= before + 1e-9
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zbv_order_shape(p):
+    m = 3 * p
+    orders = zbv_order(p, m)
+    placement = Placement(p, Layout.V)
+    for rank, order in enumerate(orders):
+        # warm-up: 2(p-i)-1 chunk-0 forwards come first
+        head = order[: 2 * (p - rank) - 1]
+        assert all(a.kind is PassKind.F and a.stage == placement.stage_of(rank, 0) for a in head)
+        # every pass of both chunks exactly once
+        assert len(order) == 6 * m
+    schedule = _schedule(orders, Layout.V, p, m)
+    validate(schedule)
+    assert max(peak_memory(schedule)) == p
+    assert simulate(schedule).bubble_rate_span == 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 7])
+def test_zbv_order_with_few_microbatches_drops_padding(m):
+    schedule = _schedule(zbv_order(4, m), Layout.V, 4, m)
+    validate(schedule)
+    assert all(a.microbatch < m for order in schedule.rank_actions for a in order)
+
+
+def test_unknown_reorder_is_named():
+    import dataclasses
+    block = dataclasses.replace(V_MIN.build(4), reorders=("sideways",))
+    with pytest.raises(Exception, match="sideways"):
+        compose(block, 8)
