@@ -1,16 +1,19 @@
-"""The ``vshape`` command: simulate, render, export and compare pipeline schedules.
+"""The ``vshape`` command: simulate, render, export, compare and search pipeline schedules.
 
 The only module that prints. Output contracts (other tools rely on them): ``simulate --json``
-prints one JSON object; ``compare --json`` one JSON object per line.
+and ``search --json`` print one JSON object; ``compare --json`` and ``frontier --json`` one
+JSON object per line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 from .schedule import (SCHEDULES, ScheduleError, build_schedule, parse_costs, simulate, validate)
+from .schedule.search import frontier, memory_limit_units, search
 from .schedule.render_image import render_png, render_svg
 from .schedule.render_text import render_grid
 from .schedule.torch_csv import to_torch_csv
@@ -26,6 +29,40 @@ def _add_common(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
     parser.add_argument("--costs", default="1,1,1,0",
                         help="F,B,W[,COMM]: pass times of one rank's whole layer share, and one "
                              "pipeline hop (default 1,1,1,0)")
+    parser.add_argument("--memory-limit",
+                        help="peak activation memory: a fraction of 1F1B's (0.5), or bytes with a "
+                             "unit (40GiB) together with --activation-bytes; auto searches under "
+                             "it, other schedules are checked against it")
+    parser.add_argument("--activation-bytes",
+                        help="bytes of one microbatch's activations of one rank's layer share "
+                             "(e.g. 1.5GiB), for a --memory-limit in bytes")
+
+
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+
+
+def _bytes(text: str, setting: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]+)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ScheduleError(f"{setting} must be a number with a unit ({', '.join(_UNITS)}), got {text!r}")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def _limit(args) -> float | None:
+    """The memory limit in units, or None when none was given."""
+    text = args.memory_limit
+    if text is None:
+        if args.activation_bytes is not None:
+            raise ScheduleError("--activation-bytes only makes sense with a --memory-limit in bytes")
+        return None
+    try:
+        fraction = float(text)
+    except ValueError:
+        if args.activation_bytes is None:
+            raise ScheduleError(f"--memory-limit {text} is in bytes: give --activation-bytes too") from None
+        return memory_limit_units(args.ranks, args.microbatches, limit_bytes=_bytes(text, "--memory-limit"),
+                                  activation_bytes=_bytes(args.activation_bytes, "--activation-bytes"))
+    return memory_limit_units(args.ranks, args.microbatches, fraction=fraction)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,14 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="memory, bubble and makespan of every schedule")
     _add_common(cmp_, schedule=False)
     cmp_.add_argument("--json", action="store_true", help="one JSON object per schedule")
+    sea = sub.add_parser("search", help="the fastest V schedule under a memory limit (auto)")
+    _add_common(sea, schedule=False)
+    sea.add_argument("--json", action="store_true", help="print one JSON object")
+    fro = sub.add_parser("frontier", help="Pareto frontier of peak memory vs bubble rate")
+    _add_common(fro, schedule=False)
+    fro.add_argument("--json", action="store_true", help="one JSON object per frontier point")
+    fro.add_argument("--output", "-o", help="plot the frontier to FILE.png (needs matplotlib)")
     return parser
 
 
-def _report(name: str, ranks: int, microbatches: int, costs_text: str) -> tuple:
-    costs = parse_costs(costs_text, ranks)
-    schedule = build_schedule(name, ranks, microbatches)
+def _report(name: str, args) -> tuple:
+    ranks, microbatches = args.ranks, args.microbatches
+    costs = parse_costs(args.costs, ranks)
+    limit = _limit(args)
+    schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit)
     try:
-        validate(schedule, memory_limit=schedule.memory_bound)
+        validate(schedule, memory_limit=schedule.memory_bound if limit is None else limit)
         valid = True
     except ScheduleError:
         valid = False
@@ -63,13 +109,14 @@ def _report(name: str, ranks: int, microbatches: int, costs_text: str) -> tuple:
         "peak_memory": [round(x, 6) for x in result.peak_memory],
         "peak_memory_max": round(result.peak_memory_max, 6),
         "peak_memory_vs_1f1b": round(result.peak_memory_vs_1f1b, 6),
-        "memory_bound": schedule.memory_bound, "valid": valid,
+        "memory_bound": schedule.memory_bound, "memory_limit": limit, "valid": valid,
+        "description": schedule.description,
     }
     return schedule, result, record
 
 
 def _simulate(args) -> int:
-    _, _, record = _report(args.schedule, args.ranks, args.microbatches, args.costs)
+    _, _, record = _report(args.schedule, args)
     if args.json:
         print(json.dumps(record))
     else:
@@ -80,7 +127,7 @@ def _simulate(args) -> int:
 
 
 def _render(args) -> int:
-    schedule, result, record = _report(args.schedule, args.ranks, args.microbatches, args.costs)
+    schedule, result, record = _report(args.schedule, args)
     path = Path(args.output)
     title = (f"{args.schedule}  p={args.ranks} m={args.microbatches}  bubble {record['bubble_rate']:.3f}"
              f"  peak {record['peak_memory_max']:g} units")
@@ -97,7 +144,9 @@ def _render(args) -> int:
 
 
 def _export(args) -> int:
-    text = to_torch_csv(build_schedule(args.schedule, args.ranks, args.microbatches))
+    schedule = build_schedule(args.schedule, args.ranks, args.microbatches,
+                              costs=parse_costs(args.costs, args.ranks), memory_limit=_limit(args))
+    text = to_torch_csv(schedule)
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.output}")
@@ -107,7 +156,7 @@ def _export(args) -> int:
 
 
 def _compare(args) -> int:
-    records = [_report(n, args.ranks, args.microbatches, args.costs)[2] for n in SCHEDULES]
+    records = [_report(n, args)[2] for n in SCHEDULES]
     if args.json:
         for record in records:
             print(json.dumps(record))
@@ -123,9 +172,62 @@ def _compare(args) -> int:
     return 0
 
 
+def _search(args) -> int:
+    costs = parse_costs(args.costs, args.ranks)
+    found = search(args.ranks, args.microbatches, costs, _limit(args))
+    _, _, record = _report("auto", args)
+    record["search_seconds"] = round(found.seconds, 4)
+    record["candidates"] = found.candidates
+    if args.json:
+        print(json.dumps(record))
+    else:
+        width = max(len(k) for k in record)
+        for key, value in record.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _frontier(args) -> int:
+    costs = parse_costs(args.costs, args.ranks)
+    points = frontier(args.ranks, args.microbatches, costs)
+    rows = [{
+        "peak_memory_max": round(f.result.peak_memory_max, 6),
+        "peak_memory_vs_1f1b": round(f.result.peak_memory_vs_1f1b, 6),
+        "bubble_rate": round(f.result.bubble_rate, 6), "makespan": round(f.result.makespan, 6),
+        "description": f.schedule.description,
+    } for f in points]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(f"p={args.ranks} m={args.microbatches} costs F,B,W,COMM={args.costs}")
+        print(f"{'peak mem':>9}{'vs 1F1B':>9}{'bubble':>9}  schedule")
+        for row in rows:
+            print(f"{row['peak_memory_max']:>9g}{row['peak_memory_vs_1f1b']:>9.3f}{row['bubble_rate']:>9.3f}  "
+                  f"{row['description']}")
+    if args.output:
+        _plot_frontier(args, costs, rows)
+        print(f"wrote {args.output}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _plot_frontier(args, costs, rows) -> None:
+    from .schedule.render_image import plot_frontier
+
+    fixed = []
+    for name in ("1f1b", "zb-1p", "v-min", "v-half", "v-zb"):
+        result = simulate(build_schedule(name, args.ranks, args.microbatches), costs)
+        fixed.append((name, result.peak_memory_vs_1f1b, result.bubble_rate))
+    if not str(args.output).endswith(".png"):
+        raise ScheduleError(f"--output must end in .png, got {args.output!r}")
+    title = f"p={args.ranks} m={args.microbatches} costs {args.costs}"
+    plot_frontier([(r["peak_memory_vs_1f1b"], r["bubble_rate"]) for r in rows], fixed, args.output, title)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"simulate": _simulate, "render": _render, "export": _export, "compare": _compare}
+    handler = {"simulate": _simulate, "render": _render, "export": _export, "compare": _compare,
+               "search": _search, "frontier": _frontier}
     try:
         return handler[args.command](args)
     except ScheduleError as err:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vshape.cli import main
-from megatron_vshape.schedule import (Action, PassKind, ValidationError, build_schedule, lower,
+from megatron_vshape.schedule import (SCHEDULES, Action, PassKind, ValidationError, build_schedule, lower,
                                       simulate, validate)
 from megatron_vshape.schedule.render_text import render_grid, render_steps
 from megatron_vshape.schedule.torch_csv import from_torch_csv, to_torch_csv
@@ -129,7 +129,7 @@ def test_cli_simulate_json_contract(capsys):
 def test_cli_compare_and_bad_input(capsys):
     assert main(["compare", "-p", "4", "-m", "8", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [json.loads(l)["schedule"] for l in lines] == NAMES
+    assert [json.loads(l)["schedule"] for l in lines] == list(SCHEDULES)
     assert main(["simulate", "--schedule", "v-min", "-p", "1", "-m", "8"]) == 2
     assert "ranks" in capsys.readouterr().err
     assert main(["simulate", "--schedule", "v-min", "-p", "4", "-m", "8", "--costs", "1,x"]) == 2

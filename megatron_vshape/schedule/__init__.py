@@ -1,4 +1,4 @@
-"""Pure-Python schedule core: actions, building blocks, compose, simulate, validate, render.
+"""Pure-Python schedule core: actions, building blocks, compose, search, simulate, validate, render.
 
 Standard library only (no torch, numpy or megatron), so it runs on a laptop.
 """
@@ -10,6 +10,7 @@ from .lower import lower
 from .placement import Layout, Placement
 from .registry import SCHEDULES, build_schedule
 from .schedule import Schedule
+from .search import InfeasibleMemoryError, SearchResult, frontier, memory_limit_units, search
 from .simulate import SimResult, simulate
 from .validate import ValidationError, validate
 
@@ -17,5 +18,5 @@ __all__ = [
     "Action", "PassKind", "ScheduleError", "parse_action", "BuildingBlock", "BlockFamily",
     "compose", "repeat", "Costs", "MemoryModel", "parse_costs", "lower", "Layout", "Placement",
     "SCHEDULES", "build_schedule", "Schedule", "SimResult", "simulate", "ValidationError",
-    "validate",
+    "validate", "InfeasibleMemoryError", "SearchResult", "frontier", "memory_limit_units", "search",
 ]

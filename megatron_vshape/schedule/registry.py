@@ -4,13 +4,16 @@ from __future__ import annotations
 from .actions import Action, PassKind, ScheduleError
 from .blocks import ONE_F_ONE_B, V_HALF, V_MIN, V_ZB, ZB_1P, BlockFamily
 from .compose import compose
+from .costs import Costs
 from .placement import Layout, Placement
 from .schedule import Schedule
+from .search import search
 
 __all__ = ["SCHEDULES", "build_schedule", "interleaved_1f1b"]
 
 _FAMILIES: dict[str, BlockFamily] = {f.name: f for f in (ONE_F_ONE_B, ZB_1P, V_MIN, V_HALF, V_ZB)}
-SCHEDULES = ("1f1b", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb")
+SCHEDULES = ("1f1b", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb", "auto")
+"""Every schedule name; ``auto`` is the adaptive search (search.py) under a memory limit."""
 
 
 def _check(name: str, ranks, microbatches) -> None:
@@ -24,9 +27,17 @@ def _check(name: str, ranks, microbatches) -> None:
         raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
 
 
-def build_schedule(name: str, ranks: int, microbatches: int) -> Schedule:
-    """Build the named schedule for ``ranks`` pipeline ranks and ``microbatches`` microbatches."""
+def build_schedule(name: str, ranks: int, microbatches: int, costs: Costs | None = None,
+                   memory_limit: float | None = None) -> Schedule:
+    """Build the named schedule for ``ranks`` pipeline ranks and ``microbatches`` microbatches.
+
+    ``costs`` and ``memory_limit`` (units; default 1F1B's peak) matter only to ``auto``, which
+    searches for the fastest V schedule under the limit with those costs; the fixed schedules
+    are cost-independent orders (check them against a limit with ``validate``).
+    """
     _check(name, ranks, microbatches)
+    if name == "auto":
+        return search(ranks, microbatches, costs, memory_limit).schedule
     if name == "interleaved-1f1b":
         return interleaved_1f1b(ranks, microbatches)
     family = _FAMILIES[name]

@@ -64,16 +64,23 @@ def render_svg(schedule: Schedule, start, end, title: str = "") -> str:
     return "\n".join(parts)
 
 
-def render_png(schedule: Schedule, start, end, path: str, title: str = "") -> None:
-    """Write a PNG of the timeline with matplotlib (the ``[plot]`` extra)."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (the ``[plot]`` extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise RuntimeError("PNG output needs matplotlib: pip install 'megatron-vshape[plot]'") from err
+    return plt
+
+
+def render_png(schedule: Schedule, start, end, path: str, title: str = "") -> None:
+    """Write a PNG of the timeline with matplotlib (the ``[plot]`` extra)."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
     makespan = max(e[-1] for e in end if e)
     fig, ax = plt.subplots(figsize=(min(24, 4 + makespan / 6), 0.45 * schedule.ranks + 1.2))
     for r, action, s, e, chunk, colour in _boxes(schedule, start, end):
@@ -89,6 +96,30 @@ def render_png(schedule: Schedule, start, end, path: str, title: str = "") -> No
     legend = [Patch(color=PASS_COLOURS[k], label=k.value) for k in PASS_COLOURS]
     legend.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="chunk 1"))
     ax.legend(handles=legend, loc="upper right", fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_frontier(points, fixed, path: str, title: str = "") -> None:
+    """Bubble rate vs peak memory (relative to 1F1B), like the paper's bubble-vs-memory figure.
+
+    ``points`` are the adaptive frontier's (memory, bubble) pairs, drawn as a staircase (a
+    limit between two points gets the left one); ``fixed`` are (name, memory, bubble) markers.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    if points:
+        xs, ys = zip(*sorted(points))
+        ax.step(xs, ys, where="post", color="black", label="auto (frontier)")
+        ax.plot(xs, ys, "o", color="black", markersize=4)
+    for name, memory, bubble in fixed:
+        ax.plot(memory, bubble, "s", markersize=7, label=name)
+    ax.set_xlabel("peak activation memory / 1F1B's")
+    ax.set_ylabel("bubble rate")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

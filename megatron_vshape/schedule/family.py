@@ -1,0 +1,92 @@
+"""The V building-block family the adaptive scheduler searches (paper, adaptive scheduler).
+
+Rank 0's pattern is (F0, F1, B1, B0) in a 6-slot repeat; each next rank adds the offset vector
+(k, -1, k, -1): the down-leg passes (chunk-0 F, chunk-1 B) move k slots per rank, the up-leg
+passes (chunk-1 F, chunk-0 B) one slot back. Larger k means longer lifespans, so more memory
+and fewer bubbles (k = 1 is V-Min's, k = 2 V-Half's). Two-segment offsets use k1 on the first
+``split`` ranks and k2 after, which gives the memory levels in between. The three turns
+(the V's tip on rank p-1, the loss on rank 0, the tip again for chunk 0's backward) take the
+smallest gaps that keep a rank's four passes in distinct slots modulo 6.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .actions import PassKind
+from .blocks import BuildingBlock
+from .placement import Layout
+
+__all__ = ["VOffsets", "v_block", "v_family"]
+
+F, B = PassKind.F, PassKind.B
+_INTERVAL = 6
+_MAX_OFFSET = 6
+
+
+@dataclass(frozen=True, order=True)
+class VOffsets:
+    """Down-leg offset k1 on ranks 1..split, k2 on the ranks after (k1 == k2: one segment)."""
+
+    k1: int
+    k2: int
+    split: int
+
+    def offset(self, rank: int) -> int:
+        return self.k1 if rank <= self.split else self.k2
+
+    def describe(self) -> str:
+        if self.k1 == self.k2:
+            return f"offsets (k={self.k1}, -1, k={self.k1}, -1)"
+        return f"offsets k={self.k1} on ranks 1..{self.split}, k={self.k2} after"
+
+
+def _slots(p: int, offsets: VOffsets, gaps: tuple[int, int, int]) -> list[dict]:
+    g1, g2, g3 = gaps
+    f0 = [0] * p
+    for r in range(1, p):
+        f0[r] = f0[r - 1] + offsets.offset(r)
+    f1 = [0] * p
+    f1[p - 1] = f0[p - 1] + g1
+    for r in reversed(range(p - 1)):
+        f1[r] = f1[r + 1] + 1
+    b1 = [0] * p
+    b1[0] = f1[0] + g2
+    for r in range(1, p):
+        b1[r] = b1[r - 1] + offsets.offset(r)
+    b0 = [0] * p
+    b0[p - 1] = b1[p - 1] + g3
+    for r in reversed(range(p - 1)):
+        b0[r] = b0[r + 1] + 1
+    return [{(F, 0): f0[r], (F, 1): f1[r], (B, 1): b1[r], (B, 0): b0[r]} for r in range(p)]
+
+
+def _distinct(rank_slots: list[dict]) -> bool:
+    return all(len({s % _INTERVAL for s in slots.values()}) == 4 for slots in rank_slots)
+
+
+def v_block(p: int, offsets: VOffsets) -> BuildingBlock | None:
+    """The block for ``offsets``, or None when no gaps keep the passes apart."""
+    for gaps in sorted(itertools.product(range(1, _INTERVAL + 1), repeat=3), key=sum):
+        rank_slots = _slots(p, offsets, gaps)
+        if _distinct(rank_slots):
+            return BuildingBlock(
+                name=f"v-family {offsets.describe()}",
+                layout=Layout.V,
+                ranks=p,
+                interval=_INTERVAL,
+                slots=tuple(tuple(sorted(s.items(), key=lambda kv: kv[1])) for s in rank_slots),
+                split_backward=True,
+                memory_bound=float(p),
+                reorders=("plain", "cooldown"),
+            )
+    return None
+
+
+def v_family(p: int) -> list[VOffsets]:
+    """Every offset pair, one- and two-segment (splits at quarters of the ranks), in order."""
+    splits = sorted({s for s in (p // 4, p // 2, (3 * p) // 4) if 1 <= s < p - 1})
+    out = [VOffsets(k, k, p) for k in range(1, _MAX_OFFSET + 1)]
+    for k1, k2 in itertools.permutations(range(1, _MAX_OFFSET + 1), 2):
+        out.extend(VOffsets(k1, k2, s) for s in splits)
+    return sorted(out)

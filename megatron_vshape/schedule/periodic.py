@@ -1,0 +1,126 @@
+"""Cost-aware V blocks with continuous offsets (the paper's future work, section "known weakness").
+
+The fixed blocks place passes in unit slots, so with F, B and W of different lengths their
+6-slot steady state takes 6 x max(pass) per microbatch. Here the block is built in real time
+for the given costs by modulo scheduling: every rank repeats its passes with one period T (at
+least its compute per microbatch, F + B + W), and microbatch 0's passes are placed, in
+dependency order along the V, at the earliest time that
+
+    follows their dependencies (one hop of ``comm`` across ranks; the V's turn is local), and
+    does not overlap, modulo T, a pass already placed on the same rank;
+
+each W right after its B, or into the next free gap. ``stretch`` adds a fixed delay to every
+hop of the down-leg (and to chunk 0's backward hops): longer lifespans, more memory, a faster
+pipeline fill; like the paper's offsets a and b, but in time rather than slots.
+
+Repeating the block every T and sorting each rank's passes by start time gives the order; the
+simulator then squeezes it. Memory is whatever the order holds (checked by the caller).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .actions import Action, PassKind, ScheduleError
+from .costs import Costs
+from .placement import Layout, Placement
+
+__all__ = ["PeriodicBlock", "periodic_block", "periodic_orders"]
+
+F, B, W = PassKind.F, PassKind.B, PassKind.W
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class PeriodicBlock:
+    """Microbatch 0's pass start times per rank, repeated every ``period``."""
+
+    ranks: int
+    period: float
+    stretch: float
+    starts: tuple[tuple[tuple[float, PassKind, int], ...], ...]
+    """Per rank: (start time, kind, chunk) of microbatch 0's six passes."""
+
+    def describe(self) -> str:
+        return f"continuous-offset V block, period {self.period:.3g}, stretch {self.stretch:.3g}"
+
+
+class _Reservations:
+    """Busy intervals of one rank, modulo the period."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.busy: list[tuple[float, float]] = []
+
+    def _clashes(self, start: float, length: float) -> float | None:
+        """The end (in the frame of ``start``) of the first clash, or None when free."""
+        s = start % self.period
+        for b_start, b_len in self.busy:
+            for shift in (-self.period, 0.0, self.period):
+                lo = b_start + shift
+                if lo < s + length - _EPS and s < lo + b_len - _EPS:
+                    return start + (lo + b_len - s)
+        return None
+
+    def place(self, earliest: float, length: float) -> float:
+        start = earliest
+        for _ in range(4 * len(self.busy) + 4):
+            clash = self._clashes(start, length)
+            if clash is None:
+                self.busy.append((start % self.period, length))
+                return start
+            start = clash
+        raise ScheduleError(f"no room for a pass of length {length:g} in period {self.period:g}")
+
+
+def periodic_block(ranks: int, costs: Costs, period_scale: float = 1.0, stretch: float = 0.0) -> PeriodicBlock:
+    """Build the block for ``costs``; the period is ``period_scale`` x the slowest rank's work."""
+    p = ranks
+    f = [x / 2 for x in costs.forward]
+    b = [x / 2 for x in costs.backward]
+    w = [x / 2 for x in costs.weight]
+    period = period_scale * max(2 * (f[r] + b[r] + w[r]) for r in range(p))
+    table = [_Reservations(period) for _ in range(p)]
+    starts: list[list[tuple[float, PassKind, int]]] = [[] for _ in range(p)]
+    hop = costs.comm
+
+    def put(rank, kind, chunk, earliest, length):
+        start = table[rank].place(earliest, length)
+        starts[rank].append((start, kind, chunk))
+        return start + length
+
+    ready = 0.0
+    for r in range(p):  # chunk 0 forward, down the V
+        ready = put(r, F, 0, ready, f[r]) + hop + stretch
+    ready -= hop + stretch
+    for r in reversed(range(p)):  # chunk 1 forward, back up
+        ready = put(r, F, 1, ready, f[r]) + hop
+    ready -= hop
+    b1_end = []
+    for r in range(p):  # chunk 1 input gradient, down again (the loss is on rank 0)
+        end = put(r, B, 1, ready, b[r])
+        b1_end.append(end)
+        ready = end + hop + stretch
+    ready -= hop + stretch
+    for r in reversed(range(p)):  # chunk 0 input gradient, back up
+        end = put(r, B, 0, ready, b[r])
+        put(r, W, 1, b1_end[r], w[r])
+        put(r, W, 0, end, w[r])
+        ready = end + hop
+    frozen = tuple(tuple(sorted(s, key=lambda x: x[0])) for s in starts)
+    return PeriodicBlock(ranks=p, period=period, stretch=stretch, starts=frozen)
+
+
+def periodic_orders(block: PeriodicBlock, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Repeat ``block`` every period and order each rank's passes by start time."""
+    placement = Placement(block.ranks, Layout.V)
+    orders = []
+    for rank, passes in enumerate(block.starts):
+        stage = (placement.stage_of(rank, 0), placement.stage_of(rank, 1))
+        timed = [
+            (start + k * block.period, order, Action(kind, stage[chunk], k))
+            for k in range(microbatches)
+            for order, (start, kind, chunk) in enumerate(passes)
+        ]
+        timed.sort(key=lambda x: (round(x[0], 9), x[1]))
+        orders.append(tuple(a for _, _, a in timed))
+    return tuple(orders)

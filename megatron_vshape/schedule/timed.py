@@ -1,0 +1,123 @@
+"""Cost-aware list scheduling: replay a block's order in real time under a memory limit.
+
+The building blocks fix an order in unit slots; with unbalanced costs (say F=1, B=1.2, W=0.8)
+V-Min's rigid 6-slot pattern then stalls on every repeat (paper, "known weakness"). This pass
+keeps the block's order as a *priority* but times it with the real costs: whenever a rank is
+free it runs the first pass of its remaining order, within a lookahead window, that is
+
+    ready now   (its dependencies have finished, plus one hop of communication across ranks)
+    admissible  a forward only while the rank's activations stay within ``cap``
+
+so waits are filled with W passes (always admissible: they free memory), B passes (free of
+memory) and forwards that fit. A chunk-0 forward never takes the last free unit while a chunk-1
+forward is owed (the memory-deadlock rule of the list scheduler). Within each stage microbatches
+keep their order, so the result lowers to matching sends and receives.
+
+The returned orders are what the simulator then times: the same costs give the same timing.
+"""
+from __future__ import annotations
+
+import heapq
+
+from .actions import Action, PassKind, ScheduleError
+from .costs import Costs, MemoryModel
+from .deps import completion_key, dependencies
+from .placement import Placement
+
+__all__ = ["timed_list_schedule"]
+
+F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
+
+
+class _Rank:
+    """A rank's remaining order, clock and activations while the pass runs."""
+
+    def __init__(self, order, placement: Placement, rank: int, durations: dict):
+        self.rest = list(order)
+        self.stages = tuple(placement.stage_of(rank, c) for c in range(placement.chunks))
+        self.free_at = 0.0
+        self.memory = 0.0
+        self.forwards = [0] * placement.chunks
+        self.durations = durations
+        self.out: list[Action] = []
+
+
+def _durations(costs: Costs, placement: Placement, rank: int) -> dict:
+    share = placement.chunks
+    f, b, w = costs.forward[rank] / share, costs.backward[rank] / share, costs.weight[rank] / share
+    return {F: f, B: b, W: w, BW: b + w}
+
+
+def timed_list_schedule(
+    orders,
+    placement: Placement,
+    costs: Costs,
+    cap: float,
+    memory: MemoryModel = MemoryModel(),
+    window: int = 24,
+) -> tuple[tuple[Action, ...], ...]:
+    """Per-rank orders from replaying ``orders`` under ``costs`` within ``cap`` chunk-activations.
+
+    ``window`` bounds how far past the head of a rank's order a ready pass may be taken.
+    Raises ScheduleError when the limit leaves the ranks waiting on each other.
+    """
+    delta = {F: memory.forward, B: memory.backward, W: memory.weight, BW: memory.backward + memory.weight}
+    ranks = [_Rank(o, placement, r, _durations(costs, placement, r)) for r, o in enumerate(orders)]
+    rank_of = [placement.rank_of(s) for s in range(placement.num_stages)]
+    waits = {
+        action: tuple((dep, costs.comm if rank_of[dep.stage] != r else 0.0)
+                      for dep in dependencies(action, placement.num_stages))
+        for r, order in enumerate(orders) for action in order
+    }
+    finished: dict[Action, float] = {}
+    events = [0.0]
+    now = 0.0
+    while any(r.rest for r in ranks):
+        progressed = False
+        for index, state in enumerate(ranks):
+            if not state.rest or state.free_at > now:
+                continue
+            action = _pick(state, waits, finished, now, cap, delta, window)
+            if action is None:
+                continue
+            end = now + state.durations[action.kind]
+            state.free_at = end
+            state.memory += delta[action.kind]
+            state.out.append(action)
+            if action.kind is F:
+                state.forwards[state.stages.index(action.stage)] += 1
+            finished[completion_key(action)] = end
+            heapq.heappush(events, end)
+            if costs.comm:
+                heapq.heappush(events, end + costs.comm)
+            progressed = True
+        if progressed:
+            continue
+        while events and events[0] <= now:
+            heapq.heappop(events)
+        if not events:
+            stuck = [(i, r.rest[0]) for i, r in enumerate(ranks) if r.rest]
+            raise ScheduleError(f"memory limit {cap:g} chunk-activations leaves ranks waiting: {stuck[:4]}")
+        now = heapq.heappop(events)
+    return tuple(tuple(r.out) for r in ranks)
+
+
+def _pick(state: _Rank, waits, finished, now, cap, delta, window) -> Action | None:
+    """The first pass within ``window`` of the head that is ready at ``now`` and fits."""
+    limit = now + 1e-12
+    for position, action in enumerate(state.rest[:window]):
+        if action.kind is F and not _fits(state, action, cap, delta, window > 1):
+            continue
+        for dep, delay in waits[action]:
+            done = finished.get(dep)
+            if done is None or done + delay > limit:
+                break
+        else:
+            return state.rest.pop(position)
+    return None
+
+
+def _fits(state: _Rank, action: Action, cap: float, delta: dict, owed_rule: bool) -> bool:
+    chunk = state.stages.index(action.stage)
+    owed = owed_rule and chunk == 0 and len(state.stages) == 2 and state.forwards[0] > state.forwards[1]
+    return state.memory + delta[F] * (1 + owed) <= cap + 1e-9
