@@ -9,9 +9,8 @@ dependency order along the V, at the earliest time that
     follows their dependencies (one hop of ``comm`` across ranks; the V's turn is local), and
     does not overlap, modulo T, a pass already placed on the same rank;
 
-each W right after its B, or into the next free gap. ``stretch`` adds a fixed delay to every
-hop of the down-leg (and to chunk 0's backward hops): longer lifespans, more memory, a faster
-pipeline fill; like the paper's offsets a and b, but in time rather than slots.
+each W right after its B, or into the next free gap. A longer period lowers the memory (fewer
+microbatches in flight per lifespan) at the cost of a slower steady state.
 
 Repeating the block every T and sorting each rank's passes by start time gives the order; the
 simulator then squeezes it. Memory is whatever the order holds (checked by the caller).
@@ -36,12 +35,8 @@ class PeriodicBlock:
 
     ranks: int
     period: float
-    stretch: float
     starts: tuple[tuple[tuple[float, PassKind, int], ...], ...]
     """Per rank: (start time, kind, chunk) of microbatch 0's six passes."""
-
-    def describe(self) -> str:
-        return f"continuous-offset V block, period {self.period:.3g}, stretch {self.stretch:.3g}"
 
 
 class _Reservations:
@@ -72,7 +67,7 @@ class _Reservations:
         raise ScheduleError(f"no room for a pass of length {length:g} in period {self.period:g}")
 
 
-def periodic_block(ranks: int, costs: Costs, period_scale: float = 1.0, stretch: float = 0.0) -> PeriodicBlock:
+def periodic_block(ranks: int, costs: Costs, period_scale: float = 1.0) -> PeriodicBlock:
     """Build the block for ``costs``; the period is ``period_scale`` x the slowest rank's work."""
     p = ranks
     f = [x / 2 for x in costs.forward]
@@ -90,8 +85,8 @@ def periodic_block(ranks: int, costs: Costs, period_scale: float = 1.0, stretch:
 
     ready = 0.0
     for r in range(p):  # chunk 0 forward, down the V
-        ready = put(r, F, 0, ready, f[r]) + hop + stretch
-    ready -= hop + stretch
+        ready = put(r, F, 0, ready, f[r]) + hop
+    ready -= hop
     for r in reversed(range(p)):  # chunk 1 forward, back up
         ready = put(r, F, 1, ready, f[r]) + hop
     ready -= hop
@@ -99,15 +94,15 @@ def periodic_block(ranks: int, costs: Costs, period_scale: float = 1.0, stretch:
     for r in range(p):  # chunk 1 input gradient, down again (the loss is on rank 0)
         end = put(r, B, 1, ready, b[r])
         b1_end.append(end)
-        ready = end + hop + stretch
-    ready -= hop + stretch
+        ready = end + hop
+    ready -= hop
     for r in reversed(range(p)):  # chunk 0 input gradient, back up
         end = put(r, B, 0, ready, b[r])
         put(r, W, 1, b1_end[r], w[r])
         put(r, W, 0, end, w[r])
         ready = end + hop
     frozen = tuple(tuple(sorted(s, key=lambda x: x[0])) for s in starts)
-    return PeriodicBlock(ranks=p, period=period, stretch=stretch, starts=frozen)
+    return PeriodicBlock(ranks=p, period=period, starts=frozen)
 
 
 def periodic_orders(block: PeriodicBlock, microbatches: int) -> tuple[tuple[Action, ...], ...]:

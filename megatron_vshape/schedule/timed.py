@@ -118,6 +118,9 @@ def _pick(state: _Rank, waits, finished, now, cap, delta, window) -> Action | No
 
 
 def _fits(state: _Rank, action: Action, cap: float, delta: dict, owed_rule: bool) -> bool:
+    """Whether a forward keeps the rank within ``cap``. With lookahead, a chunk-0 forward must
+    also leave room for an owed chunk-1 forward; a strict replay (window 1) follows an order
+    that already fits, and the rule would only block it."""
     chunk = state.stages.index(action.stage)
     owed = owed_rule and chunk == 0 and len(state.stages) == 2 and state.forwards[0] > state.forwards[1]
     return state.memory + delta[F] * (1 + owed) <= cap + 1e-9
