@@ -43,9 +43,11 @@ _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 
 
 def _bytes(text: str, setting: str) -> float:
     match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]+)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ScheduleError(f"{setting} must be a number with a unit ({', '.join(_UNITS)}), got {text!r}")
-    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+    try:
+        return float(match.group(1)) * _UNITS[match.group(2).lower()]
+    except (AttributeError, ValueError, KeyError):
+        raise ScheduleError(f"{setting} must be a number with a unit ({', '.join(_UNITS)}), "
+                            f"got {text!r}") from None
 
 
 def _limit(args) -> float | None:
