@@ -117,14 +117,19 @@ def _report(name: str, args) -> tuple:
     return schedule, result, record
 
 
+def _print_record(record: dict, as_json: bool) -> None:
+    """One JSON object, or one aligned ``key  value`` line per field."""
+    if as_json:
+        print(json.dumps(record))
+        return
+    width = max(len(k) for k in record)
+    for key, value in record.items():
+        print(f"{key:<{width}}  {value}")
+
+
 def _simulate(args) -> int:
     _, _, record = _report(args.schedule, args)
-    if args.json:
-        print(json.dumps(record))
-    else:
-        width = max(len(k) for k in record)
-        for key, value in record.items():
-            print(f"{key:<{width}}  {value}")
+    _print_record(record, args.json)
     return 0 if record["valid"] else 1
 
 
@@ -180,12 +185,7 @@ def _search(args) -> int:
     _, _, record = _report("auto", args)
     record["search_seconds"] = round(found.seconds, 4)
     record["candidates"] = found.candidates
-    if args.json:
-        print(json.dumps(record))
-    else:
-        width = max(len(k) for k in record)
-        for key, value in record.items():
-            print(f"{key:<{width}}  {value}")
+    _print_record(record, args.json)
     return 0
 
 

@@ -41,23 +41,25 @@ class VOffsets:
         return f"offsets k={self.k1} on ranks 1..{self.split}, k={self.k2} after"
 
 
+def _down(start: int, p: int, offsets: VOffsets) -> list[int]:
+    """Slots of a down-leg pass on ranks 0..p-1: ``start`` on rank 0, then k more per rank."""
+    slots = [start]
+    for r in range(1, p):
+        slots.append(slots[-1] + offsets.offset(r))
+    return slots
+
+
+def _up(start: int, p: int) -> list[int]:
+    """Slots of an up-leg pass: ``start`` on rank p-1, one more per rank towards rank 0."""
+    return [start + (p - 1 - r) for r in range(p)]
+
+
 def _slots(p: int, offsets: VOffsets, gaps: tuple[int, int, int]) -> list[dict]:
     g1, g2, g3 = gaps
-    f0 = [0] * p
-    for r in range(1, p):
-        f0[r] = f0[r - 1] + offsets.offset(r)
-    f1 = [0] * p
-    f1[p - 1] = f0[p - 1] + g1
-    for r in reversed(range(p - 1)):
-        f1[r] = f1[r + 1] + 1
-    b1 = [0] * p
-    b1[0] = f1[0] + g2
-    for r in range(1, p):
-        b1[r] = b1[r - 1] + offsets.offset(r)
-    b0 = [0] * p
-    b0[p - 1] = b1[p - 1] + g3
-    for r in reversed(range(p - 1)):
-        b0[r] = b0[r + 1] + 1
+    f0 = _down(0, p, offsets)
+    f1 = _up(f0[p - 1] + g1, p)
+    b1 = _down(f1[0] + g2, p, offsets)
+    b0 = _up(b1[p - 1] + g3, p)
     return [{(F, 0): f0[r], (F, 1): f1[r], (B, 1): b1[r], (B, 0): b0[r]} for r in range(p)]
 
 
