@@ -12,9 +12,10 @@ setup(
     install_requires=[],  # the schedule core is standard library only
     extras_require={
         # torch must be pinned or preinstalled: an open range pulls several GB of CUDA wheels.
+        "runtime": ["torch==2.13.0"],
         "megatron": ["torch==2.13.0", "megatron-core==0.16.*", "psutil"],
         "plot": ["matplotlib"],
-        "test": ["pytest", "hypothesis", "matplotlib"],
+        "test": ["torch==2.13.0", "pytest", "hypothesis", "matplotlib"],
     },
     entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},
 )

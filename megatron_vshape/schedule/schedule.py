@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .actions import Action, ScheduleError
+from .actions import Action, PassKind, ScheduleError
 from .placement import Placement
 
 __all__ = ["Schedule"]
@@ -45,6 +45,17 @@ class Schedule:
     def compute_actions(self, rank: int) -> Iterator[Action]:
         """The compute passes of a rank, in order (send/receive kinds skipped)."""
         return (a for a in self.rank_actions[rank] if a.kind.is_compute)
+
+    def forward_only(self) -> "Schedule":
+        """The forwards alone, in each rank's order: evaluation (megatron's forward_only).
+
+        Forwards depend only on forwards, so dropping the backward passes of a valid schedule
+        keeps it valid; the memory bound no longer applies (nothing is kept for backward).
+        """
+        return self.with_actions(
+            [[a for a in self.compute_actions(r) if a.kind is PassKind.F] for r in range(self.ranks)],
+            name=f"{self.name} (forward only)", memory_bound=None, lowered=False,
+        )
 
     def with_actions(self, rank_actions, **changes) -> "Schedule":
         """A copy with other action lists (and optionally other fields)."""

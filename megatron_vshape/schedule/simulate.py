@@ -19,7 +19,7 @@ from .costs import Costs, MemoryModel
 from .deps import completion_key, dependencies
 from .schedule import Schedule
 
-__all__ = ["SimResult", "simulate", "peak_memory", "DeadlockError"]
+__all__ = ["SimResult", "simulate", "peak_memory", "action_durations", "DeadlockError"]
 
 
 class DeadlockError(ScheduleError):
@@ -49,7 +49,9 @@ class SimResult:
     peak_memory_vs_1f1b: float
 
 
-def _durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, float]]:
+def action_durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, float]]:
+    """Per rank, how long each compute kind takes: the simulator's timing, also what the
+    runtime's emulated-cost mode sleeps for, so measured and simulated times compare."""
     if len(costs.forward) != schedule.ranks:
         raise ScheduleError(
             f"costs are given for {len(costs.forward)} ranks, schedule has {schedule.ranks}"
@@ -89,7 +91,7 @@ def _time(schedule: Schedule, costs: Costs):
     p, stages = schedule.ranks, schedule.num_stages
     rank_of = [schedule.placement.rank_of(s) for s in range(stages)]
     acts = [tuple(schedule.compute_actions(r)) for r in range(p)]
-    dur = _durations(schedule, costs)
+    dur = action_durations(schedule, costs)
     starts = [[0.0] * len(a) for a in acts]
     ends = [[0.0] * len(a) for a in acts]
     done: dict[Action, float] = {}

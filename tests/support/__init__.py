@@ -1,0 +1,1 @@
+"""Test support: worker functions the gloo tests run in spawned processes (importable by name)."""
