@@ -15,7 +15,8 @@ setup(
         "runtime": ["torch==2.13.0"],
         "megatron": ["torch==2.13.0", "megatron-core==0.16.*", "psutil"],
         "plot": ["matplotlib"],
-        "test": ["torch==2.13.0", "pytest", "hypothesis", "matplotlib"],
+        "test": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "pytest", "hypothesis",
+                 "matplotlib"],
     },
     entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},
 )

@@ -7,6 +7,7 @@ what the survivors saw (e.g. the error a killed peer causes).
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -37,7 +38,9 @@ def _child(fn, rank, world, store_file, results, args):
         dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                                 world_size=world)
         value = fn(rank, world, *args)
-        results.put(RankOutcome(rank, True, value))
+        # Plain pickle bytes: torch's queue pickler would pass tensors through shared memory
+        # that vanishes when this process exits.
+        results.put(RankOutcome(rank, True, pickle.dumps(value)))
     except BaseException as err:  # report, do not hang the parent
         results.put(RankOutcome(rank, False, error=f"{type(err).__name__}: {err}\n"
                                                    f"{traceback.format_exc()}"))
@@ -71,6 +74,8 @@ def _collect(procs, results, timeout: float) -> dict[int, RankOutcome]:
     while len(outcomes) < len(procs) and time.monotonic() < deadline:
         try:
             item = results.get(timeout=0.2)
+            if item.ok:
+                item = RankOutcome(item.rank, True, pickle.loads(item.value))
             outcomes[item.rank] = item
         except queue.Empty:
             pass

@@ -1,0 +1,101 @@
+"""The passes of one rank's megatron chunks: megatron's own forward_step, our backward.
+
+F calls megatron's ``forward_step`` (the user's forward_step_func, the loss function scaled by
+the number of microbatches, the forward data store) with the chunk's vp stage and whether it is
+the V's last stage passed explicitly (its fallback asks parallel_state, which assumes the loop
+placement). B runs the backward through the engine (outputs are deallocated after sending) with
+``config.grad_scale_func`` applied to the loss, and leaves a chunk's ``no_sync`` before that
+chunk's last B so DDP reduces its gradients; W runs the chunk's deferred weight gradients.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..runtime.backward import run_backward
+from ..runtime.wgrad import WeightGradStore
+from ..schedule.actions import PassKind
+from ..schedule.schedule import Schedule
+
+__all__ = ["MegatronStages"]
+
+
+class MegatronStages:
+    """:class:`..runtime.stages.StageCompute` for a rank's megatron model chunks."""
+
+    def __init__(self, schedule: Schedule, rank: int, chunks: Sequence[torch.nn.Module],
+                 forward_step_func: Callable, data_iterators: Sequence[Any], config,
+                 cp_group_size: int = 1, collect_non_loss_data: bool = False,
+                 first_val_step: bool | None = None, forward_only: bool = False, stores: Sequence[WeightGradStore] | None = None):
+        self.schedule, self.rank = schedule, rank
+        self.chunks = list(chunks)
+        self.forward_step_func = forward_step_func
+        self.data_iterators = list(data_iterators)
+        self.config = config
+        self.cp_group_size = cp_group_size
+        self.collect_non_loss_data = collect_non_loss_data
+        self.first_val_step = first_val_step if forward_only else None
+        self.stores = list(stores) if stores is not None else [WeightGradStore() for _ in chunks]
+        self.forward_data_store: list = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        self._chunk_of = {schedule.placement.stage_of(rank, c): c for c in range(len(chunks))}
+        self._last_backward = _last_backward_per_chunk(schedule, rank, self._chunk_of)
+        self._no_sync = [None] * len(chunks)
+
+    # -- grad sync --------------------------------------------------------------------------
+    def disable_grad_sync(self) -> None:
+        """Enter every chunk's no_sync (start of the step)."""
+        funcs = self.config.no_sync_func
+        for c in range(len(self.chunks)):
+            func = funcs[c] if isinstance(funcs, (list, tuple)) else funcs
+            if func is not None and self._no_sync[c] is None:
+                self._no_sync[c] = func()
+                self._no_sync[c].__enter__()
+
+    def enable_grad_sync(self, chunk: int) -> None:
+        if self._no_sync[chunk] is not None:
+            self._no_sync[chunk].__exit__(None, None, None)
+            self._no_sync[chunk] = None
+
+    # -- passes ------------------------------------------------------------------------------
+    def forward(self, stage, microbatch, input_tensor, data):
+        from megatron.core.pipeline_parallel.schedules import forward_step
+
+        c = self._chunk_of[stage]
+        output, num_tokens = forward_step(
+            self.forward_step_func, self.data_iterators[c], self.chunks[c],
+            self.schedule.microbatches, input_tensor, self.forward_data_store, self.config,
+            self.cp_group_size, collect_non_loss_data=self.collect_non_loss_data,
+            is_first_microbatch=microbatch == 0 and self.first_val_step is not False,  # megatron's
+            # check_first_val_step: in evaluation, first_val_step decides; in training, mb 0
+            current_microbatch=microbatch, vp_stage=c,
+            is_last_stage=stage == self.schedule.num_stages - 1)
+        self.total_num_tokens += num_tokens
+        return output
+
+    def backward_input(self, stage, microbatch, output, output_grad):
+        c = self._chunk_of[stage]
+        if self._last_backward[c] == microbatch:
+            self.enable_grad_sync(c)
+        if output_grad is None and self.config.grad_scale_func is not None:
+            output = self.config.grad_scale_func(output)
+        if not output.requires_grad:
+            return
+        with self.stores[c].collecting(microbatch):
+            run_backward(output, output_grad)
+
+    def backward_weight(self, stage, microbatch):
+        self.stores[self._chunk_of[stage]].run(microbatch)
+
+    def pending_weight_work(self):
+        return {c: s.pending for c, s in enumerate(self.stores) if s.pending}
+
+
+def _last_backward_per_chunk(schedule: Schedule, rank: int, chunk_of: dict) -> dict[int, int]:
+    """Chunk -> microbatch of its last B (or BW) in this rank's order."""
+    last = {}
+    for action in schedule.compute_actions(rank):
+        if action.kind in (PassKind.B, PassKind.BW):
+            last[chunk_of[action.stage]] = action.microbatch
+    return last

@@ -1,0 +1,119 @@
+"""V-shape model chunks for megatron-core's GPTModel (paper, section 3: the V placement).
+
+Rank r of p holds global stage r (chunk 0, the V's down-leg) and stage 2p-1-r (chunk 1, the
+up-leg)::
+
+    stage:  0  1  2  3 | 4  5  6  7          loop order (megatron's interleaved, vp = 2)
+    rank :  0  1  2  3 | 3  2  1  0          the V: chunk 1 of rank r is loop rank p-1-r
+
+megatron computes a chunk's layer offset from (pp rank, vp stage) in loop order, so chunk 1 is
+built with a pipeline group that reports the mirrored rank p-1-r: its layers, layer numbers and
+checkpoint keys then are those of stage 2p-1-r, and a V checkpoint is a standard one. Rank 0
+holds the embedding (stage 0) and the final norm, LM head and loss (stage 2p-1), so the
+embedding group is rank 0 alone (:func:`v_embedding_ranks`) and tied embeddings are two
+Parameters on one rank (:func:`tie_embeddings`, :func:`sum_tied_embedding_grads`).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "tie_embeddings",
+           "sum_tied_embedding_grads", "check_v_config"]
+
+
+class MirroredGroup:
+    """A pipeline group that reports rank p-1-r; everything else goes to the real group.
+
+    Only layer placement reads it (offsets and checkpoint keys); the schedule's communication
+    never goes through a model's pipeline group.
+    """
+
+    def __init__(self, group):
+        self._group = group
+
+    def rank(self) -> int:
+        return self._group.size() - 1 - self._group.rank()
+
+    def size(self) -> int:
+        return self._group.size()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+def v_embedding_ranks(pp_ranks, split_rank=None):
+    """``initialize_model_parallel(get_embedding_ranks=...)`` for the V: rank 0 holds both ends."""
+    return [pp_ranks[0]]
+
+
+def check_v_config(config, pp_size: int) -> None:
+    """Refuse settings the V cannot run, naming the setting and what to change."""
+    if pp_size < 2:
+        raise ValueError("V schedules need pipeline_model_parallel_size >= 2 (got "
+                         f"{pp_size}); with one stage use --pipeline-schedule 1f1b")
+    if config.num_layers % (2 * pp_size):
+        raise ValueError(
+            f"num_layers={config.num_layers} must be a multiple of 2 x pipeline_model_parallel_"
+            f"size = {2 * pp_size} for the V (two equal chunks per rank); e.g. num_layers="
+            f"{2 * pp_size * max(1, round(config.num_layers / (2 * pp_size)))}")
+    if getattr(config, "pipeline_model_parallel_layout", None):
+        raise ValueError("pipeline_model_parallel_layout cannot express a V (stage s lives on "
+                         "rank s % p there); leave it unset with a V schedule")
+    if config.num_layers_in_first_pipeline_stage or config.num_layers_in_last_pipeline_stage:
+        raise ValueError("num_layers_in_first/last_pipeline_stage are not supported with a V "
+                         "schedule yet; use equal stages")
+
+
+def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_group,
+                   pg_collection=None) -> list[torch.nn.Module]:
+    """Build this rank's two V chunks with ``model_provider(config=, pre_process=,
+    post_process=, vp_stage=, pg_collection=)`` (e.g. a ``functools.partial`` of GPTModel).
+
+    ``config`` is not modified: the chunks get a copy with virtual_pipeline_model_parallel_size
+    = 2, which megatron needs to place two chunks per rank.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    p, r = pp_group.size(), pp_group.rank()
+    check_v_config(config, p)
+    config = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
+    base = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    mirrored = copy.copy(base)
+    mirrored.pp = MirroredGroup(base.pp)
+    chunk0 = model_provider(config=config, pre_process=r == 0, post_process=False, vp_stage=0,
+                            pg_collection=base)
+    chunk1 = model_provider(config=config, pre_process=False, post_process=r == 0, vp_stage=1,
+                            pg_collection=mirrored)
+    if r == 0 and getattr(chunk1, "share_embeddings_and_output_weights", False):
+        tie_embeddings(chunk0, chunk1)
+    return [chunk0, chunk1]
+
+
+def tie_embeddings(chunk0, chunk1) -> None:
+    """Copy the word embedding into the LM head (megatron zero-fills it and would fill it by an
+    all-reduce between the first and last pipeline ranks, which under the V are one rank)."""
+    with torch.no_grad():
+        chunk1.shared_embedding_or_output_weight().copy_(
+            chunk0.shared_embedding_or_output_weight())
+
+
+def sum_tied_embedding_grads(chunks) -> None:
+    """After backward: the tied weight's gradient is the sum of both uses; write it to both
+    Parameters (``main_grad`` under megatron's DDP, else ``grad``)."""
+    if len(chunks) != 2 or not getattr(chunks[1], "share_embeddings_and_output_weights", False):
+        return
+    if not (getattr(chunks[0], "pre_process", False) and getattr(chunks[1], "post_process", False)):
+        return
+    a = chunks[0].shared_embedding_or_output_weight()
+    b = chunks[1].shared_embedding_or_output_weight()
+    attr = "main_grad" if hasattr(a, "main_grad") else "grad"
+    ga, gb = getattr(a, attr), getattr(b, attr)
+    if ga is None or gb is None:
+        return
+    total = ga + gb
+    ga.copy_(total)
+    gb.copy_(total)

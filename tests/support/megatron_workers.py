@@ -1,0 +1,198 @@
+"""Workers for the megatron-core gloo tests (run in every spawned rank)."""
+import torch
+import torch.distributed as dist
+
+from support.megatron_cpu import install_cpu_shims
+
+SEQ, MBS, VOCAB, HIDDEN = 8, 2, 64, 16
+
+
+def _setup(pp, vp=None, tp=1, embedding_ranks=None):
+    import megatron.core.models.gpt  # noqa: F401  (import before shimming: rebinding needs it)
+    from megatron.core import parallel_state as ps
+
+    install_cpu_shims()
+    kwargs = {"get_embedding_ranks": embedding_ranks} if embedding_ranks else {}
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp, **kwargs)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    model_parallel_cuda_manual_seed(123)
+
+
+def gpt_config(num_layers, pp, vp=None, tp=1, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    values = dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2,
+                  use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                  pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                  tensor_model_parallel_size=tp, pipeline_dtype=torch.float32,
+                  bf16=False, fp16=False, params_dtype=torch.float32, batch_p2p_sync=False)
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+def batches(num_microbatches, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(num_microbatches):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
+        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                    "loss_mask": torch.ones(MBS, SEQ), "position_ids":
+                    torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()})
+    return out
+
+
+def forward_step(data_iterator, model):
+    from functools import partial
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss, batch["loss_mask"])
+
+
+def _loss(mask, output):
+    losses = output.float().view(-1)
+    loss = torch.sum(losses * mask.view(-1)) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def megatron_1f1b(rank, world, num_layers, num_microbatches, steps):
+    """Megatron's own 1F1B, PP = world: losses per step and every parameter's gradient."""
+    _setup(world)
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = gpt_config(num_layers, world)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ,
+                     pre_process=pp_rank == 0, post_process=pp_rank == world - 1)
+    fb = get_forward_backward_func()
+    out = []
+    for step in range(steps):
+        for p in model.parameters():
+            p.grad = None
+        losses = fb(forward_step_func=forward_step, data_iterator=iter(batches(num_microbatches, step)),
+                    model=[model], num_microbatches=num_microbatches, seq_length=SEQ,
+                    micro_batch_size=MBS, forward_only=False)
+        out.append({"losses": [d["lm loss"].item() for d in losses],
+                    "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}})
+    return out
+
+
+def global_grads(chunks):
+    """{name with global layer numbers: grad} over a rank's chunks (1F1B and V alike)."""
+    out = {}
+    for chunk in chunks:
+        numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+        for name, p in chunk.named_parameters():
+            grad = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
+            if grad is None:
+                continue
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(numbers[int(parts[2])])
+            out[".".join(parts)] = grad.detach().clone()
+    return out
+
+
+def _gpt_provider(num_layers_unused=None):
+    from functools import partial
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    return partial(GPTModel, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                   max_sequence_length=SEQ)
+
+
+def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, tied):
+    """Megatron's own 1F1B, then each V schedule, on one world: {name: per-step results}."""
+    from megatron.core import parallel_state as ps
+
+    out = {"1f1b": megatron_reference(rank, world, num_layers, num_microbatches, steps, tied)}
+    ps.destroy_model_parallel()
+    for name in schedules:
+        out[name] = vshape_run(rank, world, name, num_layers, num_microbatches, steps, tied)
+        ps.destroy_model_parallel()
+    return out
+
+
+def megatron_reference(rank, world, num_layers, num_microbatches, steps, tied):
+    """Megatron's own 1F1B, PP = world: per step the losses and global-name gradients."""
+    _setup(world)
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = gpt_config(num_layers, world)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    model = _gpt_provider()(config=config, pre_process=pp_rank == 0,
+                            post_process=pp_rank == world - 1,
+                            share_embeddings_and_output_weights=tied)
+    return _train([model], get_forward_backward_func(), num_microbatches, steps, tied, True)
+
+
+def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied):
+    """The same model and data under a V schedule through our forward-backward function."""
+    from functools import partial
+
+    from megatron_vshape.megatron.forward_backward import VShapeForwardBackward
+    from megatron_vshape.megatron.model import build_v_chunks, v_embedding_ranks
+
+    _setup(world, embedding_ranks=v_embedding_ranks)
+    from megatron.core import parallel_state as ps
+
+    config = gpt_config(num_layers, world)
+    provider = partial(_gpt_provider(), share_embeddings_and_output_weights=tied)
+    chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
+    return _train(chunks, VShapeForwardBackward(schedule, timeout=60), num_microbatches, steps, tied)
+
+
+def init_by_name(chunks, tied):
+    """Give every parameter values that depend only on its global name, so 1F1B and V models
+    (built in different orders on different ranks) start identical."""
+    import zlib
+    names = {}
+    for chunk in chunks:
+        numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+        for name, p in chunk.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(numbers[int(parts[2])])
+            key = ".".join(parts)
+            if tied and key == "output_layer.weight":
+                key = "embedding.word_embeddings.weight"
+            gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            values = 0.05 * torch.randn(p.shape, generator=gen)
+            if "norm" in key and key.endswith("weight"):
+                values += 1.0
+            with torch.no_grad():
+                p.copy_(values)
+
+
+def _allreduce_tied_grads(model):
+    """What megatron's finalize_model_grads does for tied embeddings (it needs DDP-wrapped
+    models, which these plain reference runs are not): sum the first and last rank's grads."""
+    from megatron.core import parallel_state as ps
+    if ps.is_rank_in_embedding_group():
+        weight = model.shared_embedding_or_output_weight()
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
+def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
+    init_by_name(chunks, tied)
+    out = []
+    for step in range(steps):
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.grad = None
+        data = [iter(batches(num_microbatches, step)) for _ in chunks]
+        losses = fb(forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0],
+                    model=chunks, num_microbatches=num_microbatches, seq_length=SEQ,
+                    micro_batch_size=MBS, forward_only=False)
+        if tied and reference:
+            _allreduce_tied_grads(chunks[0])
+        out.append({"losses": [d["lm loss"].item() for d in losses], "grads": global_grads(chunks)})
+        with torch.no_grad():  # a plain SGD step so later steps check updated weights
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    if p.grad is not None:
+                        p -= 0.01 * p.grad
+    return out
