@@ -3,4 +3,22 @@
 Method: "Pipeline Parallelism with Controllable Memory" (Qi et al., arXiv 2405.15362).
 """
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["__version__", "install", "uninstall"]
+
+
+def install(config=None, **settings):
+    """Route megatron's pipeline schedule choice through megatron-vshape.
+
+    ``install(schedule="v-half")`` or ``install(VShapeConfig(...))``; see
+    :mod:`megatron_vshape.megatron.install`. Imported lazily: the schedule core needs no torch.
+    """
+    from .megatron.install import VShapeConfig, install as _install
+
+    return _install(config if config is not None else VShapeConfig(**settings))
+
+
+def uninstall():
+    """Give megatron its own ``get_forward_backward_func`` back."""
+    from .megatron.install import uninstall as _uninstall
+
+    _uninstall()

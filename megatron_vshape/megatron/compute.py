@@ -15,6 +15,7 @@ import torch
 
 from ..runtime.backward import run_backward
 from ..runtime.wgrad import WeightGradStore
+from .wgrad import store_of
 from ..schedule.actions import PassKind
 from ..schedule.schedule import Schedule
 
@@ -36,7 +37,7 @@ class MegatronStages:
         self.cp_group_size = cp_group_size
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step if forward_only else None
-        self.stores = list(stores) if stores is not None else [WeightGradStore() for _ in chunks]
+        self.stores = list(stores) if stores is not None else [store_of(c) for c in chunks]
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int)
         self._chunk_of = {schedule.placement.stage_of(rank, c): c for c in range(len(chunks))}

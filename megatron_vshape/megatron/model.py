@@ -21,6 +21,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..runtime.wgrad import WeightGradStore
+from .wgrad import defer_weight_grads
+
 __all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "tie_embeddings",
            "sum_tied_embedding_grads", "check_v_config"]
 
@@ -69,12 +72,15 @@ def check_v_config(config, pp_size: int) -> None:
 
 
 def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_group,
-                   pg_collection=None) -> list[torch.nn.Module]:
+                   pg_collection=None, defer_wgrad: bool = True,
+                   ddp_delay_wgrad: bool = False) -> list[torch.nn.Module]:
     """Build this rank's two V chunks with ``model_provider(config=, pre_process=,
     post_process=, vp_stage=, pg_collection=)`` (e.g. a ``functools.partial`` of GPTModel).
 
     ``config`` is not modified: the chunks get a copy with virtual_pipeline_model_parallel_size
-    = 2, which megatron needs to place two chunks per rank.
+    = 2, which megatron needs to place two chunks per rank. With ``defer_wgrad`` each chunk's
+    parallel linears compute weight gradients in W (:mod:`.wgrad`); set ``ddp_delay_wgrad``
+    when the chunks will be wrapped in DDP with delay_wgrad_compute=True.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -90,6 +96,9 @@ def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_gr
                             pg_collection=mirrored)
     if r == 0 and getattr(chunk1, "share_embeddings_and_output_weights", False):
         tie_embeddings(chunk0, chunk1)
+    if defer_wgrad:
+        for chunk in (chunk0, chunk1):
+            defer_weight_grads(chunk, WeightGradStore(), mark_for_ddp=ddp_delay_wgrad)
     return [chunk0, chunk1]
 
 

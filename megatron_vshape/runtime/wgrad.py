@@ -38,6 +38,8 @@ class WeightGradStore:
         self.tracker = tracker
         self._queues: dict[int, list] = defaultdict(list)
         self._current: int | None = None
+        self.ran = 0
+        """How many deferred items W has run (diagnostics: proves the split happened)."""
 
     @contextlib.contextmanager
     def collecting(self, microbatch: int):
@@ -68,6 +70,7 @@ class WeightGradStore:
         work = self._queues.pop(microbatch, [])
         for fn, kept in work:
             fn(*kept)
+        self.ran += len(work)
         return len(work)
 
     @property

@@ -177,19 +177,33 @@ def _allreduce_tied_grads(model):
 
 
 def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
+    """Steps of plain SGD; per step the losses, gradients by global name, the peak bytes kept
+    for backward (saved tensors and what W keeps), and how many weight gradients ran in W."""
+    from megatron_vshape.megatron.wgrad import store_of
+    from megatron_vshape.runtime.memory import ActivationTracker
+
     init_by_name(chunks, tied)
+    tracker = ActivationTracker([p for c in chunks for p in c.parameters()])
+    stores = [store_of(c) for c in chunks]
+    for store in stores:
+        store.tracker = tracker
     out = []
     for step in range(steps):
         for chunk in chunks:
             for p in chunk.parameters():
                 p.grad = None
         data = [iter(batches(num_microbatches, step)) for _ in chunks]
-        losses = fb(forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0],
-                    model=chunks, num_microbatches=num_microbatches, seq_length=SEQ,
-                    micro_batch_size=MBS, forward_only=False)
+        tracker.reset_peak()
+        ran = sum(s.ran for s in stores)
+        with tracker.saved_tensors_hooks():
+            losses = fb(forward_step_func=forward_step,
+                        data_iterator=data if len(chunks) > 1 else data[0], model=chunks,
+                        num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
+                        forward_only=False)
         if tied and reference:
             _allreduce_tied_grads(chunks[0])
-        out.append({"losses": [d["lm loss"].item() for d in losses], "grads": global_grads(chunks)})
+        out.append({"losses": [d["lm loss"].item() for d in losses], "grads": global_grads(chunks),
+                    "peak": tracker.peak, "w_ran": sum(s.ran for s in stores) - ran})
         with torch.no_grad():  # a plain SGD step so later steps check updated weights
             for chunk in chunks:
                 for p in chunk.parameters():
