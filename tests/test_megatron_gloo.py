@@ -16,22 +16,25 @@ STEPS = 2
 
 
 def _merge(values, name):
-    """Per step: (losses from every rank, {global parameter name: grad})."""
+    """Per step: (losses from every rank, {(dp rank, global parameter name): grad}, weight
+    gradients run in W, peak activation bytes per rank)."""
     steps = []
     for s in range(STEPS):
-        losses = [x for v in values for x in v[name][s]["losses"]]
+        losses = sorted(x for v in values for x in v[name][s]["losses"])
+        ran = sum(v[name][s]["w_ran"] for v in values)
+        peak = [v[name][s]["peak"] for v in values]
         grads = {}
         for v in values:
             for key, grad in v[name][s]["grads"].items():
                 assert key not in grads, f"{key} has a gradient on two ranks"
                 grads[key] = grad
-        steps.append((losses, grads))
+        steps.append((losses, grads, ran, peak))
     return steps
 
 
-def _compare(p, layers, tied, microbatches=4):
-    outcomes = run_gloo(compare_runs, p, V_SCHEDULES, layers, microbatches, STEPS, tied,
-                        timeout=600)
+def _compare(world, layers, tied, microbatches=4, pp=None, ddp=None):
+    outcomes = run_gloo(compare_runs, world, V_SCHEDULES, layers, microbatches, STEPS, tied, pp,
+                        ddp, timeout=600)
     failed = [o for o in outcomes if not o.ok]
     assert not failed, failed[0].error
     values = [o.value for o in outcomes]
@@ -48,13 +51,60 @@ def pp4_tied():
     return _compare(4, 8, tied=True)
 
 
-@pytest.mark.parametrize("fixture", ["pp2_untied", "pp4_tied"])
+@pytest.fixture(scope="module")
+def pp2_dp2_tied_overlap():
+    """Megatron DDP per chunk with overlap_grad_reduce: W (not B) completes a weight's
+    gradient, so its bucket's reduction starts from W through DDP's delay_wgrad hooks."""
+    return _compare(4, 4, tied=True, pp=2, ddp={"overlap_grad_reduce": True})
+
+
+@pytest.fixture(scope="module")
+def pp2_distopt_tied():
+    """Distributed-optimizer gradient buffers (DP = 1: with DP > 1 the buffers hold reduced
+    values only in each rank's own shard, whose layout differs between 1F1B and V chunks)."""
+    return _compare(2, 4, tied=True, ddp={"overlap_grad_reduce": True,
+                                          "use_distributed_optimizer": True})
+
+
+FIXTURES = ["pp2_untied", "pp4_tied", "pp2_dp2_tied_overlap", "pp2_distopt_tied"]
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+@pytest.mark.parametrize("name", V_SCHEDULES)
+def test_weight_gradients_ran_in_w(fixture, name, request):
+    runs = request.getfixturevalue(fixture)
+    assert all(step[2] > 0 for step in runs[name])
+    assert all(step[2] == 0 for step in runs["1f1b"])
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
 @pytest.mark.parametrize("name", V_SCHEDULES)
 def test_losses_and_gradients_equal_megatrons_1f1b(fixture, name, request):
     runs = request.getfixturevalue(fixture)
-    for (ref_losses, ref_grads), (losses, grads) in zip(runs["1f1b"], runs[name]):
-        assert len(losses) == len(ref_losses) == 4
+    for (ref_losses, ref_grads, _, _), (losses, grads, _, _) in zip(runs["1f1b"], runs[name]):
+        assert len(losses) == len(ref_losses) > 0
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
         assert set(grads) == set(ref_grads)
         for key, grad in grads.items():
             assert (grad - ref_grads[key]).abs().max().item() < 1e-5, key
+
+
+# Issue 5's limits at PP = 4: measured peak vs megatron's own 1F1B <= simulated ratio + 0.03.
+LIMITS = {"v-half": 0.78, "v-min": 0.53, "v-zb": 1.03}
+
+
+@pytest.fixture(scope="module")
+def pp4_memory():
+    return _compare(4, 24, tied=False, microbatches=8)
+
+
+@pytest.mark.parametrize("name", V_SCHEDULES)
+def test_peak_activation_memory_vs_megatrons_1f1b(name, pp4_memory):
+    from megatron_vshape.schedule import build_schedule, simulate
+
+    base = max(pp4_memory["1f1b"][0][3])
+    ratio = max(pp4_memory[name][0][3]) / base
+    simulated = simulate(build_schedule(name, 4, 8)).peak_memory_vs_1f1b
+    assert ratio <= simulated + 0.03
+    if name in LIMITS:
+        assert ratio <= LIMITS[name]

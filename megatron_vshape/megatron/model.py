@@ -113,6 +113,9 @@ def tie_embeddings(chunk0, chunk1) -> None:
 def sum_tied_embedding_grads(chunks) -> None:
     """After backward: the tied weight's gradient is the sum of both uses; write it to both
     Parameters (``main_grad`` under megatron's DDP, else ``grad``)."""
+    from megatron.core.utils import unwrap_model
+
+    chunks = unwrap_model(list(chunks))  # DDP / Float16Module wrappers
     if len(chunks) != 2 or not getattr(chunks[1], "share_embeddings_and_output_weights", False):
         return
     if not (getattr(chunks[0], "pre_process", False) and getattr(chunks[1], "post_process", False)):

@@ -83,6 +83,7 @@ def global_grads(chunks):
     """{name with global layer numbers: grad} over a rank's chunks (1F1B and V alike)."""
     out = {}
     for chunk in chunks:
+        chunk = getattr(chunk, "module", chunk)  # DDP-wrapped
         numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
         for name, p in chunk.named_parameters():
             grad = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
@@ -103,33 +104,57 @@ def _gpt_provider(num_layers_unused=None):
                    max_sequence_length=SEQ)
 
 
-def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, tied):
-    """Megatron's own 1F1B, then each V schedule, on one world: {name: per-step results}."""
+def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, tied, pp=None,
+                 ddp=None):
+    """Megatron's own 1F1B, then each V schedule, on one world: {name: per-step results}.
+
+    ``pp`` defaults to the world (else the rest is data parallel); ``ddp`` is a dict of
+    DistributedDataParallelConfig settings (None: no DDP)."""
     from megatron.core import parallel_state as ps
 
-    out = {"1f1b": megatron_reference(rank, world, num_layers, num_microbatches, steps, tied)}
+    pp = pp or world
+    out = {"1f1b": megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp)}
     ps.destroy_model_parallel()
     for name in schedules:
-        out[name] = vshape_run(rank, world, name, num_layers, num_microbatches, steps, tied)
+        out[name] = vshape_run(rank, pp, name, num_layers, num_microbatches, steps, tied, ddp)
         ps.destroy_model_parallel()
     return out
 
 
-def megatron_reference(rank, world, num_layers, num_microbatches, steps, tied):
-    """Megatron's own 1F1B, PP = world: per step the losses and global-name gradients."""
-    _setup(world)
+def _wrap_ddp(config, chunks, ddp, delay_wgrad):
+    """Megatron DDP per chunk, with the config hooks Megatron-LM's training loop sets."""
+    if ddp is None:
+        return chunks
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+    ddp_config = DistributedDataParallelConfig(delay_wgrad_compute=delay_wgrad, **ddp)
+    wrapped = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    for chunk in wrapped:
+        chunk.zero_grad_buffer()
+    funcs = [chunk.no_sync for chunk in wrapped]
+    config.no_sync_func = funcs if len(funcs) > 1 else funcs[0]
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=None):
+    """Megatron's own 1F1B: per step the losses and global-name gradients."""
+    _setup(pp)
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    config = gpt_config(num_layers, world)
+    config = gpt_config(num_layers, pp)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     model = _gpt_provider()(config=config, pre_process=pp_rank == 0,
-                            post_process=pp_rank == world - 1,
+                            post_process=pp_rank == pp - 1,
                             share_embeddings_and_output_weights=tied)
-    return _train([model], get_forward_backward_func(), num_microbatches, steps, tied, True)
+    init_by_name([model], tied)
+    chunks = _wrap_ddp(config, [model], ddp, delay_wgrad=False)
+    return _train(chunks, get_forward_backward_func(), num_microbatches, steps, tied,
+                  reference=ddp is None)
 
 
-def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied):
+def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied, ddp=None):
     """The same model and data under a V schedule through our forward-backward function."""
     from functools import partial
 
@@ -141,8 +166,12 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied)
 
     config = gpt_config(num_layers, world)
     provider = partial(_gpt_provider(), share_embeddings_and_output_weights=tied)
-    chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
-    return _train(chunks, VShapeForwardBackward(schedule, timeout=60), num_microbatches, steps, tied)
+    chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group(),
+                            ddp_delay_wgrad=ddp is not None)
+    init_by_name(chunks, tied)
+    chunks = _wrap_ddp(config, chunks, ddp, delay_wgrad=True)
+    return _train(chunks, VShapeForwardBackward(schedule, timeout=60), num_microbatches, steps,
+                  tied)
 
 
 def init_by_name(chunks, tied):
@@ -167,6 +196,11 @@ def init_by_name(chunks, tied):
                 p.copy_(values)
 
 
+def _grad_buffers(chunk):
+    """DDP's main_grad views (parameters' gradient storage is not activation memory)."""
+    return [p.main_grad for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
+
+
 def _allreduce_tied_grads(model):
     """What megatron's finalize_model_grads does for tied embeddings (it needs DDP-wrapped
     models, which these plain reference runs are not): sum the first and last rank's grads."""
@@ -182,8 +216,8 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
     from megatron_vshape.megatron.wgrad import store_of
     from megatron_vshape.runtime.memory import ActivationTracker
 
-    init_by_name(chunks, tied)
-    tracker = ActivationTracker([p for c in chunks for p in c.parameters()])
+    tracker = ActivationTracker([p for c in chunks for p in c.parameters()] +
+                                [b for c in chunks for b in _grad_buffers(c)])
     stores = [store_of(c) for c in chunks]
     for store in stores:
         store.tracker = tracker
@@ -192,7 +226,11 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
         for chunk in chunks:
             for p in chunk.parameters():
                 p.grad = None
-        data = [iter(batches(num_microbatches, step)) for _ in chunks]
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        from megatron.core import parallel_state as ps
+        dp = ps.get_data_parallel_rank()
+        data = [iter(batches(num_microbatches, 100 * step + dp)) for _ in chunks]
         tracker.reset_peak()
         ran = sum(s.ran for s in stores)
         with tracker.saved_tensors_hooks():
@@ -202,11 +240,13 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
                         forward_only=False)
         if tied and reference:
             _allreduce_tied_grads(chunks[0])
-        out.append({"losses": [d["lm loss"].item() for d in losses], "grads": global_grads(chunks),
+        out.append({"losses": [d["lm loss"].item() for d in losses], "dp": dp,
+                    "grads": {(dp, k): g for k, g in global_grads(chunks).items()},
                     "peak": tracker.peak, "w_ran": sum(s.ran for s in stores) - ran})
         with torch.no_grad():  # a plain SGD step so later steps check updated weights
             for chunk in chunks:
                 for p in chunk.parameters():
-                    if p.grad is not None:
-                        p -= 0.01 * p.grad
+                    grad = p.main_grad if hasattr(p, "main_grad") else p.grad
+                    if grad is not None:
+                        p -= 0.01 * grad
     return out

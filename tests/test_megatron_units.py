@@ -1,0 +1,67 @@
+"""megatron glue in one process: installation, configuration errors, the mirrored rank."""
+import types
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import megatron.core.pipeline_parallel as pipeline_parallel  # noqa: E402
+import megatron.core.pipeline_parallel.schedules as schedules  # noqa: E402
+
+import megatron_vshape  # noqa: E402
+from megatron_vshape.megatron.forward_backward import VShapeForwardBackward  # noqa: E402
+from megatron_vshape.megatron.install import VShapeConfig  # noqa: E402
+from megatron_vshape.megatron.model import MirroredGroup, check_v_config  # noqa: E402
+from megatron_vshape.schedule import ScheduleError  # noqa: E402
+
+
+def test_install_is_idempotent_reversible_and_delegates():
+    original = schedules.get_forward_backward_func
+    try:
+        megatron_vshape.install(schedule="v-half")
+        megatron_vshape.install(schedule="v-min")  # replaces the configuration, not the original
+        for module in (schedules, pipeline_parallel):
+            fb = module.get_forward_backward_func(4, None)
+            assert isinstance(fb, VShapeForwardBackward) and fb.schedule == "v-min"
+            assert module.get_forward_backward_func(1, None) is original(1, None)
+        megatron_vshape.install(schedule="1f1b")  # megatron's own everywhere
+        assert schedules.get_forward_backward_func(4, None) is original(4, None)
+    finally:
+        megatron_vshape.uninstall()
+    assert schedules.get_forward_backward_func is original
+    assert pipeline_parallel.get_forward_backward_func is original
+
+
+def test_bad_settings_name_the_setting_and_the_choices():
+    with pytest.raises(ValueError, match="valid choices: 1f1b"):
+        VShapeConfig(schedule="v-quarter")
+    with pytest.raises(ValueError, match="timeout"):
+        VShapeConfig(schedule="v-half", timeout=0)
+    config = types.SimpleNamespace(num_layers=6, pipeline_model_parallel_layout=None,
+                                   num_layers_in_first_pipeline_stage=None,
+                                   num_layers_in_last_pipeline_stage=None)
+    with pytest.raises(ValueError, match="multiple of 2 x pipeline_model_parallel_size = 8"):
+        check_v_config(config, 4)
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size >= 2"):
+        check_v_config(config, 1)
+    config.num_layers, config.pipeline_model_parallel_layout = 8, "Et|tL"
+    with pytest.raises(ValueError, match="pipeline_model_parallel_layout"):
+        check_v_config(config, 4)
+
+
+def test_forward_backward_checks_chunks_and_microbatches_before_work():
+    fb = VShapeForwardBackward("v-half")
+    config = types.SimpleNamespace(calculate_per_token_loss=False)
+    with pytest.raises(ValueError, match="needs 2 model chunk"):
+        fb._schedule(4, 8, 1, 1, config)
+    with pytest.raises(ScheduleError, match="microbatches"):
+        fb._schedule(4, 0, 2, 2, config)
+    config.calculate_per_token_loss = True
+    with pytest.raises(ValueError, match="calculate_per_token_loss"):
+        fb._schedule(4, 8, 2, 2, config)
+
+
+def test_mirrored_group_reports_the_v_rank():
+    group = types.SimpleNamespace(rank=lambda: 1, size=lambda: 4, name="pp")
+    mirrored = MirroredGroup(group)
+    assert (mirrored.rank(), mirrored.size(), mirrored.name) == (2, 4, "pp")
