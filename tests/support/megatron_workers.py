@@ -105,18 +105,21 @@ def _gpt_provider(num_layers_unused=None):
 
 
 def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, tied, pp=None,
-                 ddp=None):
+                 ddp=None, tp=1, sequence_parallel=False):
     """Megatron's own 1F1B, then each V schedule, on one world: {name: per-step results}.
 
     ``pp`` defaults to the world (else the rest is data parallel); ``ddp`` is a dict of
     DistributedDataParallelConfig settings (None: no DDP)."""
     from megatron.core import parallel_state as ps
 
-    pp = pp or world
-    out = {"1f1b": megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp)}
+    pp = pp or world // tp
+    par = {"tp": tp, "sequence_parallel": sequence_parallel}
+    out = {"1f1b": megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp,
+                                      **par)}
     ps.destroy_model_parallel()
     for name in schedules:
-        out[name] = vshape_run(rank, pp, name, num_layers, num_microbatches, steps, tied, ddp)
+        out[name] = vshape_run(rank, pp, name, num_layers, num_microbatches, steps, tied, ddp,
+                               **par)
         ps.destroy_model_parallel()
     return out
 
@@ -137,13 +140,14 @@ def _wrap_ddp(config, chunks, ddp, delay_wgrad):
     return wrapped
 
 
-def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=None):
+def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=None, tp=1,
+                       sequence_parallel=False):
     """Megatron's own 1F1B: per step the losses and global-name gradients."""
-    _setup(pp)
+    _setup(pp, tp=tp)
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    config = gpt_config(num_layers, pp)
+    config = gpt_config(num_layers, pp, tp=tp, sequence_parallel=sequence_parallel)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     model = _gpt_provider()(config=config, pre_process=pp_rank == 0,
                             post_process=pp_rank == pp - 1,
@@ -154,17 +158,18 @@ def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=
                   reference=ddp is None)
 
 
-def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied, ddp=None):
+def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied, ddp=None, tp=1,
+               sequence_parallel=False):
     """The same model and data under a V schedule through our forward-backward function."""
     from functools import partial
 
     from megatron_vshape.megatron.forward_backward import VShapeForwardBackward
     from megatron_vshape.megatron.model import build_v_chunks, v_embedding_ranks
 
-    _setup(world, embedding_ranks=v_embedding_ranks)
+    _setup(world, tp=tp, embedding_ranks=v_embedding_ranks)
     from megatron.core import parallel_state as ps
 
-    config = gpt_config(num_layers, world)
+    config = gpt_config(num_layers, world, tp=tp, sequence_parallel=sequence_parallel)
     provider = partial(_gpt_provider(), share_embeddings_and_output_weights=tied)
     chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group(),
                             ddp_delay_wgrad=ddp is not None)
@@ -229,8 +234,8 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
             if hasattr(chunk, "zero_grad_buffer"):
                 chunk.zero_grad_buffer()
         from megatron.core import parallel_state as ps
-        dp = ps.get_data_parallel_rank()
-        data = [iter(batches(num_microbatches, 100 * step + dp)) for _ in chunks]
+        dp = (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank())
+        data = [iter(batches(num_microbatches, 100 * step + dp[0])) for _ in chunks]
         tracker.reset_peak()
         ran = sum(s.ran for s in stores)
         with tracker.saved_tensors_hooks():
@@ -249,4 +254,9 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
                     grad = p.main_grad if hasattr(p, "main_grad") else p.grad
                     if grad is not None:
                         p -= 0.01 * grad
+    data = [iter(batches(num_microbatches, 999)) for _ in chunks]
+    evaluation = fb(forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else
+                    data[0], model=chunks, num_microbatches=num_microbatches, seq_length=SEQ,
+                    micro_batch_size=MBS, forward_only=True)
+    out[-1]["eval"] = [d["lm loss"].item() for d in evaluation]
     return out
