@@ -127,3 +127,23 @@ def test_peak_activation_memory_vs_megatrons_1f1b(name, pp4_memory):
     assert ratio <= simulated + 0.03
     if name in LIMITS:
         assert ratio <= LIMITS[name]
+
+
+@pytest.mark.parametrize("world,src,dst,tied", [
+    (2, "v", "1f1b", True), (2, "1f1b", "v", True), (2, "v", "v", False), (4, "v", "1f1b", False),
+])
+def test_checkpoints_move_between_v_and_standard_models_bit_exactly(world, src, dst, tied,
+                                                                    tmp_path):
+    from support.megatron_workers import checkpoint_round_trip
+
+    outcomes = run_gloo(checkpoint_round_trip, world, str(tmp_path), src, dst, 2 * world, tied,
+                        timeout=600)
+    failed = [o for o in outcomes if not o.ok]
+    assert not failed, failed[0].error
+    saved, loaded = {}, {}
+    for o in outcomes:
+        saved.update(o.value["saved"])
+        loaded.update(o.value["loaded"])
+    assert set(saved) == set(loaded) and saved
+    for key, value in saved.items():
+        assert (value == loaded[key]).all(), key  # bit-exact

@@ -260,3 +260,67 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
                     micro_batch_size=MBS, forward_only=True)
     out[-1]["eval"] = [d["lm loss"].item() for d in evaluation]
     return out
+
+
+def _named_values(chunks):
+    """{global name: value} of a rank's chunks (parameters; no gradients)."""
+    out = {}
+    for chunk in chunks:
+        numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+        for name, p in chunk.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(numbers[int(parts[2])])
+            out[".".join(parts)] = p.detach().clone()
+    return out
+
+
+def _build(layout, world, num_layers, tied):
+    """Fresh chunks for ``layout`` ("v" or "1f1b") with parallel state set up for it."""
+    from functools import partial
+
+    from megatron.core import parallel_state as ps
+    from megatron_vshape.megatron.model import build_v_chunks, v_embedding_ranks
+
+    ps.destroy_model_parallel()
+    provider = partial(_gpt_provider(), share_embeddings_and_output_weights=tied)
+    config = gpt_config(num_layers, world)
+    if layout == "v":
+        _setup(world, embedding_ranks=v_embedding_ranks)
+        return build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
+    _setup(world)
+    r = ps.get_pipeline_model_parallel_rank()
+    return [provider(config=config, pre_process=r == 0, post_process=r == world - 1)]
+
+
+def _sharded(chunks):
+    state = {}
+    for i, chunk in enumerate(chunks):
+        state[f"model{i}" if len(chunks) > 1 else "model"] = chunk.sharded_state_dict()
+    return state
+
+
+def checkpoint_round_trip(rank, world, directory, src, dst, num_layers, tied):
+    """Save ``src`` ("v"/"1f1b") weights with dist_checkpointing (torch_dist), load them into a
+    freshly built ``dst`` model of the same PP size; return both sides' values by name."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    chunks = _build(src, world, num_layers, tied)
+    init_by_name(chunks, tied)
+    saved = _named_values(chunks)
+    path = os.path.join(directory, f"{src}-to-{dst}")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(chunks), path)
+    fresh = _build(dst, world, num_layers, tied)
+    with torch.no_grad():
+        for chunk in fresh:
+            for p in chunk.parameters():
+                p.fill_(7.0)  # anything the load does not overwrite shows
+    loaded = dist_checkpointing.load(_sharded(fresh), path)
+    for i, chunk in enumerate(fresh):
+        chunk.load_state_dict(loaded[f"model{i}" if len(fresh) > 1 else "model"])
+    return {"saved": saved, "loaded": _named_values(fresh)}
