@@ -30,7 +30,7 @@ def _merge(values, name):
                 grads[key] = grad
         steps.append((losses, grads, ran, peak))
     evaluation = sorted(x for v in values for x in v[name][-1]["eval"])
-    return steps, evaluation
+    return steps, evaluation, values[0][name][-1].get("costs")
 
 
 def _compare(world, layers, tied, microbatches=4, pp=None, ddp=None, tp=1):
@@ -147,3 +147,14 @@ def test_checkpoints_move_between_v_and_standard_models_bit_exactly(world, src, 
     assert set(saved) == set(loaded) and saved
     for key, value in saved.items():
         assert (value == loaded[key]).all(), key  # bit-exact
+
+
+def test_profiled_costs_replan_auto(pp4_tied):
+    """Per-pass profiling: every rank's measured F, B, W are positive, the same Costs on every
+    rank, and auto re-plans from them into a valid schedule."""
+    from megatron_vshape.schedule import build_schedule, validate
+
+    costs = pp4_tied["v-half"][2]
+    assert len(costs.forward) == 4
+    assert min(costs.forward + costs.backward + costs.weight) > 0
+    validate(build_schedule("auto", 4, 8, costs=costs, memory_limit=3.0), memory_limit=3.0)

@@ -175,3 +175,22 @@ def test_toy_batches_are_a_function_of_step():
     a, b = make_batch(model, 2, 5), make_batch(model, 2, 5)
     assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
     assert not torch.equal(make_batch(model, 1, 6)[0][0], a[0][0])
+
+
+def test_pass_profile_takes_medians_and_sums_a_ranks_chunks():
+    from megatron_vshape.runtime.profile import PassProfile
+    from megatron_vshape.schedule import Action
+
+    profile = PassProfile(window=2)
+    for scale in (9.0, 1.0, 2.0):  # the window keeps the last two
+        timeline = [(Action(kind, stage, 0), 0.0, scale * base * (stage + 1))
+                    for stage in (0, 7) for kind, base in
+                    ((PassKind.F, 0.1), (PassKind.B, 0.2), (PassKind.W, 0.3))]
+        profile.add(timeline + [(Action(PassKind.BW, 0, 1), 0.0, 5.0)])  # fused: ignored
+    assert profile.stage_costs()[7]["F"] == pytest.approx(1.5 * 0.1 * 8)
+    f, b, w = profile.rank_costs()
+    assert (f, b, w) == pytest.approx((1.5 * 0.1 * 9, 1.5 * 0.2 * 9, 1.5 * 0.3 * 9))
+    empty = PassProfile()
+    empty.add([(Action(PassKind.BW, 0, 0), 0.0, 1.0)])
+    with pytest.raises(ValueError, match="B/W split"):
+        empty.rank_costs()

@@ -15,6 +15,7 @@ import torch
 
 from ..runtime.interpreter import PipelineRunner, RunnerConfig
 from ..runtime.p2p import TensorSpec
+from ..runtime.profile import PassProfile
 from ..runtime.streams import StreamGroups
 from ..schedule.registry import SCHEDULES, build_schedule
 from .compute import MegatronStages
@@ -37,6 +38,10 @@ class VShapeForwardBackward:
     costs: object = None
     """schedule.Costs for auto (None: uniform)."""
     timeout: float = 600.0
+    profile: PassProfile = field(default_factory=PassProfile)
+    """Pass durations of the training steps run so far (see runtime/profile.py)."""
+    synchronize: bool = False
+    """Synchronize the GPU around passes (accurate profiles, slower steps)."""
     _groups: dict = field(default_factory=dict, repr=False)
     _schedules: dict = field(default_factory=dict, repr=False)
 
@@ -64,13 +69,24 @@ class VShapeForwardBackward:
                                 forward_only)
         runner = PipelineRunner(schedule, stages, self._stream_groups(schedule, pg), spec,
                                 RunnerConfig(timeout=self.timeout, scale_loss=False,
-                                             deallocate_outputs=config.deallocate_pipeline_outputs))
+                                             deallocate_outputs=config.deallocate_pipeline_outputs,
+                                             synchronize=self.synchronize))
         if not forward_only:
             stages.disable_grad_sync()
-        runner.step(forward_only=forward_only)
+        result = runner.step(forward_only=forward_only)
         if not forward_only:
             _finish_grads(stages, chunks, config, pg, force_all_reduce)
+            self.profile.add(result.timeline)
         return stages.forward_data_store
+
+    def measured_costs(self, num_microbatches: int, pg_collection=None, comm: float = 0.0):
+        """The profiled per-rank F, B, W (seconds) of the steps run so far, as schedule Costs
+        (collective over the pipeline group): what ``auto`` re-plans from."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+        schedule = self._schedules[(pg.pp.size(), num_microbatches)]
+        return self.profile.gather_costs(schedule.placement, pg.pp.rank(), comm, group=pg.pp)
 
     # -- pieces --------------------------------------------------------------------------------
     def _schedule(self, p, m, num_chunks, num_iterators, config):

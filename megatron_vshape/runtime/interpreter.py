@@ -60,6 +60,9 @@ class RunnerConfig:
     """Divide the last stage's loss by the number of microbatches before its backward."""
     deallocate_outputs: bool = True
     """Free a stage output's values once its send is posted (its autograd node stays)."""
+    synchronize: bool = False
+    """Synchronize the GPU around every compute pass so the timeline holds kernel times
+    (profiling steps only: it removes the overlap of launches with compute)."""
     emulate: Costs | None = None
     """Emulated-cost mode: every compute pass lasts at least its simulated time in seconds (the
     real work runs, then the pass sleeps for the rest, see ``PipelineRunner._emulate``), so p
@@ -191,11 +194,16 @@ class PipelineRunner:
         return StepResult(losses, peak, time.perf_counter() - start, state.timeline, start)
 
     def _run(self, action: Action, state: _StepState) -> None:
+        sync = self.config.synchronize and action.kind.is_compute and torch.cuda.is_available()
+        if sync:
+            torch.cuda.synchronize()
         begin = time.perf_counter()
         with torch.autograd.profiler.record_function(str(action)):
             self._handlers[action.kind](action, state)
         if not action.kind.is_compute:
             return
+        if sync:
+            torch.cuda.synchronize()
         end = time.perf_counter()
         if self._sleep is not None:
             begin, end = self._emulate(action, state)

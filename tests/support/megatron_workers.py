@@ -175,8 +175,10 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
                             ddp_delay_wgrad=ddp is not None)
     init_by_name(chunks, tied)
     chunks = _wrap_ddp(config, chunks, ddp, delay_wgrad=True)
-    return _train(chunks, VShapeForwardBackward(schedule, timeout=60), num_microbatches, steps,
-                  tied)
+    fb = VShapeForwardBackward(schedule, timeout=60)
+    out = _train(chunks, fb, num_microbatches, steps, tied)
+    out[-1]["costs"] = fb.measured_costs(num_microbatches)  # profiled F, B, W per rank
+    return out
 
 
 def init_by_name(chunks, tied):
