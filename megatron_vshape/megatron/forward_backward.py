@@ -44,6 +44,7 @@ class VShapeForwardBackward:
     """Synchronize the GPU around passes (accurate profiles, slower steps)."""
     _groups: dict = field(default_factory=dict, repr=False)
     _schedules: dict = field(default_factory=dict, repr=False)
+    _runners: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -67,10 +68,8 @@ class VShapeForwardBackward:
         stages = MegatronStages(schedule, pg.pp.rank(), chunks, forward_step_func, iterators,
                                 config, pg.cp.size(), collect_non_loss_data, first_val_step,
                                 forward_only)
-        runner = PipelineRunner(schedule, stages, self._stream_groups(schedule, pg), spec,
-                                RunnerConfig(timeout=self.timeout, scale_loss=False,
-                                             deallocate_outputs=config.deallocate_pipeline_outputs,
-                                             synchronize=self.synchronize))
+        runner = self._runner(schedule, pg, spec, config)
+        runner.compute = stages  # this call's model, data and loss; order and buffers are kept
         if not forward_only:
             stages.disable_grad_sync()
         result = runner.step(forward_only=forward_only)
@@ -105,6 +104,18 @@ class VShapeForwardBackward:
             self._schedules[key] = build_schedule(self.schedule, p, m, costs=self.costs,
                                                   memory_limit=self.memory_limit)
         return self._schedules[key]
+
+    def _runner(self, schedule, pg, spec, config) -> PipelineRunner:
+        """One validated runner per (schedule, pipeline, tensor spec), reused across steps."""
+        key = (id(schedule), tuple(torch.distributed.get_process_group_ranks(pg.pp)), spec,
+               bool(config.deallocate_pipeline_outputs))
+        if key not in self._runners:
+            self._runners[key] = PipelineRunner(
+                schedule, None, self._stream_groups(schedule, pg), spec,
+                RunnerConfig(timeout=self.timeout, scale_loss=False,
+                             deallocate_outputs=config.deallocate_pipeline_outputs,
+                             synchronize=self.synchronize))
+        return self._runners[key]
 
     def _stream_groups(self, schedule, pg):
         key = (tuple(torch.distributed.get_process_group_ranks(pg.pp)), schedule.placement)

@@ -1,4 +1,6 @@
 """Workers for the megatron-core gloo tests (run in every spawned rank)."""
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -240,16 +242,20 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
         data = [iter(batches(num_microbatches, 100 * step + dp[0])) for _ in chunks]
         tracker.reset_peak()
         ran = sum(s.ran for s in stores)
+        dist.barrier()
+        begin = time.perf_counter()
         with tracker.saved_tensors_hooks():
             losses = fb(forward_step_func=forward_step,
                         data_iterator=data if len(chunks) > 1 else data[0], model=chunks,
                         num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
                         forward_only=False)
+        seconds = time.perf_counter() - begin
         if tied and reference:
             _allreduce_tied_grads(chunks[0])
         out.append({"losses": [d["lm loss"].item() for d in losses], "dp": dp,
                     "grads": {(dp, k): g for k, g in global_grads(chunks).items()},
-                    "peak": tracker.peak, "w_ran": sum(s.ran for s in stores) - ran})
+                    "peak": tracker.peak, "w_ran": sum(s.ran for s in stores) - ran,
+                    "seconds": seconds})
         with torch.no_grad():  # a plain SGD step so later steps check updated weights
             for chunk in chunks:
                 for p in chunk.parameters():
