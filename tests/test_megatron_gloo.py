@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core")
 from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
 from support.megatron_workers import compare_runs  # noqa: E402
 
-V_SCHEDULES = ("v-min", "v-half", "v-zb", "auto")
+V_SCHEDULES = ("zb-1p", "v-min", "v-half", "v-zb", "auto")
 STEPS = 2
 
 

@@ -9,13 +9,14 @@ chunk's last B so DDP reduces its gradients; W runs the chunk's deferred weight 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..runtime.backward import run_backward
 from ..runtime.wgrad import WeightGradStore
-from .wgrad import store_of
+from .wgrad import store_of, te_wgrad_modules
 from ..schedule.actions import PassKind
 from ..schedule.schedule import Schedule
 
@@ -43,6 +44,9 @@ class MegatronStages:
         self._chunk_of = {schedule.placement.stage_of(rank, c): c for c in range(len(chunks))}
         self._last_backward = _last_backward_per_chunk(schedule, rank, self._chunk_of)
         self._no_sync = [None] * len(chunks)
+        self._te = [te_wgrad_modules(c) for c in chunks]
+        if any(self._te):
+            _check_w_follows_b(schedule, rank)
 
     # -- grad sync --------------------------------------------------------------------------
     def disable_grad_sync(self) -> None:
@@ -85,6 +89,8 @@ class MegatronStages:
             return
         with self.stores[c].collecting(microbatch):
             run_backward(output, output_grad)
+            if self._te[c]:  # TE queues the weight GEMMs itself, first in first out
+                self.stores[c].defer(functools.partial(_te_backward_dw, self._te[c]))
 
     def backward_weight(self, stage, microbatch):
         self.stores[self._chunk_of[stage]].run(microbatch)
@@ -100,3 +106,24 @@ def _last_backward_per_chunk(schedule: Schedule, rank: int, chunk_of: dict) -> d
         if action.kind in (PassKind.B, PassKind.BW):
             last[chunk_of[action.stage]] = action.microbatch
     return last
+
+
+def _te_backward_dw(modules) -> None:
+    for module in modules:
+        module.backward_dw()
+
+
+def _check_w_follows_b(schedule: Schedule, rank: int) -> None:
+    """TE keeps each layer's pending weight GEMMs in a first-in first-out queue, so every
+    stage's W passes must come in the order of its B passes."""
+    b_order, w_order = {}, {}
+    for action in schedule.compute_actions(rank):
+        if action.kind is PassKind.B:
+            b_order.setdefault(action.stage, []).append(action.microbatch)
+        elif action.kind is PassKind.W:
+            w_order.setdefault(action.stage, []).append(action.microbatch)
+    for stage, order in w_order.items():
+        if order != b_order.get(stage):
+            raise ValueError(f"schedule {schedule.name!r} runs stage {stage}'s W passes in "
+                             f"another order than its B passes on rank {rank}; Transformer "
+                             "Engine's delayed weight gradients need the same order")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..runtime.wgrad import WeightGradStore
-from .wgrad import defer_weight_grads
+from .wgrad import defer_weight_grads, with_te_delay_wgrad
 
 __all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "tie_embeddings",
            "sum_tied_embedding_grads", "check_v_config"]
@@ -73,20 +73,24 @@ def check_v_config(config, pp_size: int) -> None:
 
 def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_group,
                    pg_collection=None, defer_wgrad: bool = True,
-                   ddp_delay_wgrad: bool = False) -> list[torch.nn.Module]:
+                   ddp_delay_wgrad: bool = False, te_delay_wgrad: bool = False
+                   ) -> list[torch.nn.Module]:
     """Build this rank's two V chunks with ``model_provider(config=, pre_process=,
     post_process=, vp_stage=, pg_collection=)`` (e.g. a ``functools.partial`` of GPTModel).
 
     ``config`` is not modified: the chunks get a copy with virtual_pipeline_model_parallel_size
     = 2, which megatron needs to place two chunks per rank. With ``defer_wgrad`` each chunk's
     parallel linears compute weight gradients in W (:mod:`.wgrad`); set ``ddp_delay_wgrad``
-    when the chunks will be wrapped in DDP with delay_wgrad_compute=True.
+    when the chunks will be wrapped in DDP with delay_wgrad_compute=True. With a Transformer
+    Engine layer spec (GPU) set ``te_delay_wgrad``: TE's own split (``backward_dw``) runs in W.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     p, r = pp_group.size(), pp_group.rank()
     check_v_config(config, p)
     config = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
+    if te_delay_wgrad:
+        config = with_te_delay_wgrad(config)
     base = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     mirrored = copy.copy(base)
     mirrored.pp = MirroredGroup(base.pp)

@@ -24,7 +24,8 @@ import torch
 
 from ..runtime.wgrad import WeightGradStore, accumulate_grad
 
-__all__ = ["patch_linear", "unpatch_linear", "defer_weight_grads", "store_of"]
+__all__ = ["patch_linear", "unpatch_linear", "defer_weight_grads", "store_of", "te_wgrad_modules",
+           "with_te_delay_wgrad"]
 
 _STORE = "vshape_wgrad_store"
 _HOOKS = "vshape_wgrad_hooks"
@@ -162,3 +163,29 @@ def store_of(chunk: torch.nn.Module) -> WeightGradStore:
         if store is not None:
             return store
     return WeightGradStore()
+
+
+_TE_WRAPPERS = "megatron.core.extensions.transformer_engine"
+
+
+def te_wgrad_modules(chunk: torch.nn.Module) -> list:
+    """The chunk's Transformer Engine linears built with delay_wgrad_compute (GPU): B skips
+    their weight GEMMs and W calls their ``backward_dw``. Leaf wrappers only, since attention
+    and MLP forward ``backward_dw`` to the same linears."""
+    return [m for m in chunk.modules()
+            if type(m).__module__ == _TE_WRAPPERS and hasattr(m, "backward_dw")
+            and getattr(getattr(m, "config", None), "delay_wgrad_compute", False)]
+
+
+def with_te_delay_wgrad(config):
+    """A copy of ``config`` with delay_wgrad_compute on, for dense models.
+
+    TransformerConfig.__post_init__ accepts delay_wgrad_compute only together with MoE
+    overlap_moe_expert_parallel_comm; the TE wrappers read the field when they are built, so
+    setting it on a copy after validation enables TE's split for dense layers too.
+    """
+    import dataclasses
+
+    copy = dataclasses.replace(config)
+    copy.delay_wgrad_compute = True
+    return copy

@@ -173,12 +173,23 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
 
     config = gpt_config(num_layers, world, tp=tp, sequence_parallel=sequence_parallel)
     provider = partial(_gpt_provider(), share_embeddings_and_output_weights=tied)
-    chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group(),
-                            ddp_delay_wgrad=ddp is not None)
+    if schedule == "zb-1p":  # one chunk per rank, the standard placement, W deferred
+        from megatron_vshape.megatron.wgrad import defer_weight_grads
+        from megatron_vshape.runtime.wgrad import WeightGradStore
+
+        ps.destroy_model_parallel()
+        _setup(world, tp=tp)
+        r = ps.get_pipeline_model_parallel_rank()
+        chunks = [provider(config=config, pre_process=r == 0, post_process=r == world - 1)]
+        defer_weight_grads(chunks[0], WeightGradStore(), mark_for_ddp=ddp is not None)
+    else:
+        chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group(),
+                                ddp_delay_wgrad=ddp is not None)
     init_by_name(chunks, tied)
     chunks = _wrap_ddp(config, chunks, ddp, delay_wgrad=True)
     fb = VShapeForwardBackward(schedule, timeout=60)
-    out = _train(chunks, fb, num_microbatches, steps, tied)
+    out = _train(chunks, fb, num_microbatches, steps, tied, reference=schedule == "zb-1p" and
+                 ddp is None)
     out[-1]["costs"] = fb.measured_costs(num_microbatches)  # profiled F, B, W per rank
     return out
 
