@@ -33,9 +33,9 @@ def _merge(values, name):
     return steps, evaluation, values[0][name][-1].get("costs")
 
 
-def _compare(world, layers, tied, microbatches=4, pp=None, ddp=None, tp=1):
+def _compare(world, layers, tied, microbatches=4, pp=None, ddp=None, tp=1, reference=None):
     outcomes = run_gloo(compare_runs, world, V_SCHEDULES, layers, microbatches, STEPS, tied, pp,
-                        ddp, tp, timeout=600)
+                        ddp, tp, False, reference, timeout=600)
     failed = [o for o in outcomes if not o.ok]
     assert not failed, failed[0].error
     values = [o.value for o in outcomes]
@@ -75,7 +75,16 @@ def pp2_tp2_tied():
     return _compare(4, 4, tied=True, tp=2)
 
 
-FIXTURES = ["pp2_untied", "pp4_tied", "pp2_dp2_tied_overlap", "pp2_distopt_tied", "pp2_tp2_tied"]
+@pytest.fixture(scope="module")
+def pp4_uneven_tied():
+    """14 layers on PP = 4: the V's stages 0 and 7 (rank 0, which also holds the embedding and
+    LM head) get one layer, the others two; megatron's 1F1B runs 2 / 4 / 4 / 4 layers."""
+    return _compare(4, 14, tied=True, reference={"num_layers_in_first_pipeline_stage": 2,
+                                                 "num_layers_in_last_pipeline_stage": 4})
+
+
+FIXTURES = ["pp2_untied", "pp4_tied", "pp2_dp2_tied_overlap", "pp2_distopt_tied", "pp2_tp2_tied",
+            "pp4_uneven_tied"]
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)

@@ -37,11 +37,14 @@ def test_bad_settings_name_the_setting_and_the_choices():
         VShapeConfig(schedule="v-quarter")
     with pytest.raises(ValueError, match="timeout"):
         VShapeConfig(schedule="v-half", timeout=0)
-    config = types.SimpleNamespace(num_layers=6, pipeline_model_parallel_layout=None,
+    config = types.SimpleNamespace(num_layers=14, pipeline_model_parallel_layout=None,
                                    num_layers_in_first_pipeline_stage=None,
                                    num_layers_in_last_pipeline_stage=None)
-    with pytest.raises(ValueError, match="multiple of 2 x pipeline_model_parallel_size = 8"):
+    config.num_layers = 6
+    with pytest.raises(ValueError, match="num_layers >= 8"):
         check_v_config(config, 4)
+    config.num_layers = 14
+    check_v_config(config, 4)  # 14 layers: rank 0's chunks hold one layer less
     with pytest.raises(ValueError, match="pipeline_model_parallel_size >= 2"):
         check_v_config(config, 1)
     config.num_layers, config.pipeline_model_parallel_layout = 8, "Et|tL"
@@ -65,3 +68,12 @@ def test_mirrored_group_reports_the_v_rank():
     group = types.SimpleNamespace(rank=lambda: 1, size=lambda: 4, name="pp")
     mirrored = MirroredGroup(group)
     assert (mirrored.rank(), mirrored.size(), mirrored.name) == (2, 4, "pp")
+
+
+def test_uneven_layers_come_from_rank_0_first():
+    from megatron_vshape.megatron.layers import stage_layers
+
+    assert stage_layers(14, 4) == (1, 2, 2, 2, 2, 2, 2, 1)
+    assert stage_layers(13, 4) == (1, 1, 2, 2, 2, 2, 2, 1)
+    assert stage_layers(16, 4) == (2,) * 8
+    assert sum(stage_layers(30, 4)) == 30

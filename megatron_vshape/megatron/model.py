@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..runtime.wgrad import WeightGradStore
+from .layers import patch_layer_placement, stage_layers, with_stage_layers
 from .wgrad import defer_weight_grads, with_te_delay_wgrad
 
 __all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "tie_embeddings",
@@ -58,17 +59,15 @@ def check_v_config(config, pp_size: int) -> None:
     if pp_size < 2:
         raise ValueError("V schedules need pipeline_model_parallel_size >= 2 (got "
                          f"{pp_size}); with one stage use --pipeline-schedule 1f1b")
-    if config.num_layers % (2 * pp_size):
-        raise ValueError(
-            f"num_layers={config.num_layers} must be a multiple of 2 x pipeline_model_parallel_"
-            f"size = {2 * pp_size} for the V (two equal chunks per rank); e.g. num_layers="
-            f"{2 * pp_size * max(1, round(config.num_layers / (2 * pp_size)))}")
+    stage_layers(config.num_layers, pp_size)  # raises for too few layers
     if getattr(config, "pipeline_model_parallel_layout", None):
         raise ValueError("pipeline_model_parallel_layout cannot express a V (stage s lives on "
-                         "rank s % p there); leave it unset with a V schedule")
+                         "rank s % p there); leave it unset: the V places uneven layer counts "
+                         "itself (the missing layers come from rank 0's chunks)")
     if config.num_layers_in_first_pipeline_stage or config.num_layers_in_last_pipeline_stage:
-        raise ValueError("num_layers_in_first/last_pipeline_stage are not supported with a V "
-                         "schedule yet; use equal stages")
+        raise ValueError("num_layers_in_first/last_pipeline_stage do not apply to a V schedule; "
+                         "leave them unset: with num_layers not a multiple of 2 x pipeline size, "
+                         "rank 0's chunks (embedding and LM head) get fewer layers")
 
 
 def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_group,
@@ -89,6 +88,9 @@ def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_gr
     p, r = pp_group.size(), pp_group.rank()
     check_v_config(config, p)
     config = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
+    if config.num_layers % (2 * p):
+        patch_layer_placement()
+        config = with_stage_layers(config, p)
     if te_delay_wgrad:
         config = with_te_delay_wgrad(config)
     base = pg_collection or ProcessGroupCollection.use_mpu_process_groups()

@@ -107,7 +107,7 @@ def _gpt_provider(num_layers_unused=None):
 
 
 def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, tied, pp=None,
-                 ddp=None, tp=1, sequence_parallel=False):
+                 ddp=None, tp=1, sequence_parallel=False, reference_config=None):
     """Megatron's own 1F1B, then each V schedule, on one world: {name: per-step results}.
 
     ``pp`` defaults to the world (else the rest is data parallel); ``ddp`` is a dict of
@@ -117,11 +117,11 @@ def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, ti
     pp = pp or world // tp
     par = {"tp": tp, "sequence_parallel": sequence_parallel}
     out = {"1f1b": megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp,
-                                      **par)}
+                                      reference_config=reference_config, **par)}
     ps.destroy_model_parallel()
     for name in schedules:
         out[name] = vshape_run(rank, pp, name, num_layers, num_microbatches, steps, tied, ddp,
-                               **par)
+                               standard_config=reference_config, **par)
         ps.destroy_model_parallel()
     return out
 
@@ -143,13 +143,14 @@ def _wrap_ddp(config, chunks, ddp, delay_wgrad):
 
 
 def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=None, tp=1,
-                       sequence_parallel=False):
+                       sequence_parallel=False, reference_config=None):
     """Megatron's own 1F1B: per step the losses and global-name gradients."""
     _setup(pp, tp=tp)
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    config = gpt_config(num_layers, pp, tp=tp, sequence_parallel=sequence_parallel)
+    config = gpt_config(num_layers, pp, tp=tp, sequence_parallel=sequence_parallel,
+                        **(reference_config or {}))
     pp_rank = ps.get_pipeline_model_parallel_rank()
     model = _gpt_provider()(config=config, pre_process=pp_rank == 0,
                             post_process=pp_rank == pp - 1,
@@ -161,7 +162,7 @@ def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=
 
 
 def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied, ddp=None, tp=1,
-               sequence_parallel=False):
+               sequence_parallel=False, standard_config=None):
     """The same model and data under a V schedule through our forward-backward function."""
     from functools import partial
 
@@ -179,6 +180,8 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
 
         ps.destroy_model_parallel()
         _setup(world, tp=tp)
+        config = gpt_config(num_layers, world, tp=tp, sequence_parallel=sequence_parallel,
+                            **(standard_config or {}))
         r = ps.get_pipeline_model_parallel_rank()
         chunks = [provider(config=config, pre_process=r == 0, post_process=r == world - 1)]
         defer_weight_grads(chunks[0], WeightGradStore(), mark_for_ddp=ddp is not None)

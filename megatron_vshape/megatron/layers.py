@@ -1,0 +1,92 @@
+"""Uneven layer counts on the V: which global layers each of the 2p stages holds.
+
+Rank 0 also runs the embedding (stage 0) and the final norm, LM head and loss (stage 2p-1), so
+a model whose layer count does not fill 2p equal stages gives the missing layers to rank 0's
+chunks first (then rank 1's, ...)::
+
+    p = 4, 14 layers:   stage  0  1  2  3  4  5  6  7
+                        layers 1  2  2  2  2  2  2  1      (rank 0 holds stages 0 and 7)
+
+megatron computes a chunk's layers with ``get_transformer_layer_offset`` and
+``get_num_layers_to_build``, bound by name in several modules and called again when saving
+checkpoints. :func:`patch_layer_placement` wraps them in those modules: a config carrying
+``vshape_stage_layers`` gets the V's counts (the loop stage of (pp rank, vp stage) is the V
+stage, since chunk 1 reports the mirrored rank, see model.py); any other config goes to
+megatron's own functions.
+"""
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["stage_layers", "patch_layer_placement"]
+
+_ATTR = "vshape_stage_layers"
+_BINDINGS = {
+    "get_transformer_layer_offset": ("megatron.core.transformer.transformer_layer",
+                                     "megatron.core.transformer.transformer_block",
+                                     "megatron.core.models.gpt.gpt_layer_specs",
+                                     "megatron.core.transformer.multi_token_prediction"),
+    "get_num_layers_to_build": ("megatron.core.transformer.transformer_block",
+                                "megatron.core.models.gpt.gpt_layer_specs"),
+}
+
+
+def stage_layers(num_layers: int, ranks: int) -> tuple[int, ...]:
+    """Layers per V stage (2p of them): equal, minus the shortfall taken from rank 0's chunks
+    first, one layer at a time (stage 0, stage 2p-1, then rank 1's ...)."""
+    stages = 2 * ranks
+    per = -(-num_layers // stages)
+    shortfall = stages * per - num_layers
+    if num_layers < stages or shortfall > stages * (per - 1):
+        raise ValueError(
+            f"num_layers={num_layers} cannot give each of the V's 2 x {ranks} stages at least one "
+            f"layer with at most one layer less than the others; use num_layers >= {stages}")
+    counts = [per] * stages
+    order = [s for r in range(ranks) for s in (r, stages - 1 - r)]
+    for i in range(shortfall):
+        counts[order[i % stages]] -= 1
+    return tuple(counts)
+
+
+def _v_stage(config, vp_stage, pp_rank) -> int:
+    return (vp_stage or 0) * config.pipeline_model_parallel_size + pp_rank
+
+
+def _offset(original):
+    def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
+        counts = getattr(config, _ATTR, None)
+        if counts is None or pp_rank is None:
+            return original(config, vp_stage, pp_rank)
+        return sum(counts[:_v_stage(config, vp_stage, pp_rank)])
+    get_transformer_layer_offset.vshape_original = original
+    return get_transformer_layer_offset
+
+
+def _count(original):
+    def get_num_layers_to_build(config, vp_stage=None, pp_rank=None):
+        counts = getattr(config, _ATTR, None)
+        if counts is None or pp_rank is None:
+            return original(config, vp_stage, pp_rank)
+        return counts[_v_stage(config, vp_stage, pp_rank)]
+    get_num_layers_to_build.vshape_original = original
+    return get_num_layers_to_build
+
+
+def patch_layer_placement() -> None:
+    """Wrap megatron's placement functions where they are bound (idempotent)."""
+    wrappers = {"get_transformer_layer_offset": _offset, "get_num_layers_to_build": _count}
+    for name, modules in _BINDINGS.items():
+        for module_name in modules:
+            module = importlib.import_module(module_name)
+            current = getattr(module, name, None)
+            if current is not None and not hasattr(current, "vshape_original"):
+                setattr(module, name, wrappers[name](current))
+
+
+def with_stage_layers(config, ranks: int):
+    """A copy of ``config`` that places the V's (possibly uneven) stage layers."""
+    import dataclasses
+
+    copy = dataclasses.replace(config)
+    setattr(copy, _ATTR, stage_layers(config.num_layers, ranks))
+    return copy
