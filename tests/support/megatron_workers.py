@@ -81,20 +81,25 @@ def megatron_1f1b(rank, world, num_layers, num_microbatches, steps):
     return out
 
 
-def global_grads(chunks):
-    """{name with global layer numbers: grad} over a rank's chunks (1F1B and V alike)."""
-    out = {}
+def global_named_parameters(chunks):
+    """(name with global layer numbers, parameter) over a rank's chunks (1F1B and V alike)."""
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)  # DDP-wrapped
         numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
         for name, p in chunk.named_parameters():
-            grad = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
-            if grad is None:
-                continue
             parts = name.split(".")
             if parts[:2] == ["decoder", "layers"]:
                 parts[2] = str(numbers[int(parts[2])])
-            out[".".join(parts)] = grad.detach().clone()
+            yield ".".join(parts), p
+
+
+def global_grads(chunks):
+    """{global name: gradient} (``main_grad`` under DDP) over a rank's chunks."""
+    out = {}
+    for key, p in global_named_parameters(chunks):
+        grad = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
+        if grad is not None:
+            out[key] = grad.detach().clone()
     return out
 
 
@@ -201,22 +206,15 @@ def init_by_name(chunks, tied):
     """Give every parameter values that depend only on its global name, so 1F1B and V models
     (built in different orders on different ranks) start identical."""
     import zlib
-    names = {}
-    for chunk in chunks:
-        numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
-        for name, p in chunk.named_parameters():
-            parts = name.split(".")
-            if parts[:2] == ["decoder", "layers"]:
-                parts[2] = str(numbers[int(parts[2])])
-            key = ".".join(parts)
-            if tied and key == "output_layer.weight":
-                key = "embedding.word_embeddings.weight"
-            gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-            values = 0.05 * torch.randn(p.shape, generator=gen)
-            if "norm" in key and key.endswith("weight"):
-                values += 1.0
-            with torch.no_grad():
-                p.copy_(values)
+    for key, p in global_named_parameters(chunks):
+        if tied and key == "output_layer.weight":
+            key = "embedding.word_embeddings.weight"
+        gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        values = 0.05 * torch.randn(p.shape, generator=gen)
+        if "norm" in key and key.endswith("weight"):
+            values += 1.0
+        with torch.no_grad():
+            p.copy_(values)
 
 
 def _grad_buffers(chunk):
@@ -286,15 +284,7 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
 
 def _named_values(chunks):
     """{global name: value} of a rank's chunks (parameters; no gradients)."""
-    out = {}
-    for chunk in chunks:
-        numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
-        for name, p in chunk.named_parameters():
-            parts = name.split(".")
-            if parts[:2] == ["decoder", "layers"]:
-                parts[2] = str(numbers[int(parts[2])])
-            out[".".join(parts)] = p.detach().clone()
-    return out
+    return {key: p.detach().clone() for key, p in global_named_parameters(chunks)}
 
 
 def _build(layout, world, num_layers, tied):
