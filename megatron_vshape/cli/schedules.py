@@ -1,8 +1,7 @@
-"""The ``vshape`` command: simulate, render, export, compare and search pipeline schedules.
+"""``vshape simulate | render | export | compare | search | frontier``: schedules on their own.
 
-The only module that prints. Output contracts (other tools rely on them): ``simulate --json``
-and ``search --json`` print one JSON object; ``compare --json`` and ``frontier --json`` one
-JSON object per line.
+Output contracts (other tools rely on them): ``simulate --json`` and ``search --json`` print one
+JSON object; ``compare --json`` and ``frontier --json`` one JSON object per line.
 """
 from __future__ import annotations
 
@@ -12,16 +11,16 @@ import re
 import sys
 from pathlib import Path
 
-from .schedule import (SCHEDULES, ScheduleError, build_schedule, parse_costs, simulate, validate)
-from .schedule.search import frontier, memory_limit_units, search
-from .schedule.render_image import render_png, render_svg
-from .schedule.render_text import render_grid
-from .schedule.torch_csv import to_torch_csv
+from ..schedule import (SCHEDULES, ScheduleError, build_schedule, parse_costs, simulate, validate)
+from ..schedule.search import frontier, memory_limit_units, search
+from ..schedule.render_image import render_png, render_svg
+from ..schedule.render_text import render_grid
+from ..schedule.torch_csv import to_torch_csv
 
-__all__ = ["main", "build_parser"]
+__all__ = ["register", "add_schedule_arguments", "memory_limit"]
 
 
-def _add_common(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
+def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
     if schedule:
         parser.add_argument("--schedule", required=True, choices=SCHEDULES, help="schedule name")
     parser.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks (>= 2)")
@@ -50,7 +49,7 @@ def _bytes(text: str, setting: str) -> float:
                             f"got {text!r}") from None
 
 
-def _limit(args) -> float | None:
+def memory_limit(args) -> float | None:
     """The memory limit in units, or None when none was given."""
     text = args.memory_limit
     if text is None:
@@ -67,36 +66,40 @@ def _limit(args) -> float | None:
     return memory_limit_units(args.ranks, args.microbatches, fraction=fraction)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vshape", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def register(sub) -> None:
+    """Add this module's subcommands to the ``vshape`` parser."""
     sim = sub.add_parser("simulate", help="simulate one schedule")
-    _add_common(sim)
+    add_schedule_arguments(sim)
     sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.set_defaults(handler=_simulate)
     ren = sub.add_parser("render", help="draw a schedule's timeline")
-    _add_common(ren)
+    add_schedule_arguments(ren)
     ren.add_argument("--output", "-o", required=True, help="FILE.txt, FILE.svg or FILE.png")
+    ren.set_defaults(handler=_render)
     exp = sub.add_parser("export", help="write a schedule as torch.distributed.pipelining CSV")
-    _add_common(exp)
+    add_schedule_arguments(exp)
     exp.add_argument("--format", choices=["torch-csv"], default="torch-csv")
     exp.add_argument("--output", "-o", help="file (default: standard output)")
+    exp.set_defaults(handler=_export)
     cmp_ = sub.add_parser("compare", help="memory, bubble and makespan of every schedule")
-    _add_common(cmp_, schedule=False)
+    add_schedule_arguments(cmp_, schedule=False)
     cmp_.add_argument("--json", action="store_true", help="one JSON object per schedule")
+    cmp_.set_defaults(handler=_compare)
     sea = sub.add_parser("search", help="the fastest V schedule under a memory limit (auto)")
-    _add_common(sea, schedule=False)
+    add_schedule_arguments(sea, schedule=False)
     sea.add_argument("--json", action="store_true", help="print one JSON object")
+    sea.set_defaults(handler=_search)
     fro = sub.add_parser("frontier", help="Pareto frontier of peak memory vs bubble rate")
-    _add_common(fro, schedule=False)
+    add_schedule_arguments(fro, schedule=False)
     fro.add_argument("--json", action="store_true", help="one JSON object per frontier point")
     fro.add_argument("--output", "-o", help="plot the frontier to FILE.png (needs matplotlib)")
-    return parser
+    fro.set_defaults(handler=_frontier)
 
 
 def _report(name: str, args) -> tuple:
     ranks, microbatches = args.ranks, args.microbatches
     costs = parse_costs(args.costs, ranks)
-    limit = _limit(args)
+    limit = memory_limit(args)
     schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit)
     try:
         validate(schedule, memory_limit=schedule.memory_bound if limit is None else limit)
@@ -152,7 +155,7 @@ def _render(args) -> int:
 
 def _export(args) -> int:
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches,
-                              costs=parse_costs(args.costs, args.ranks), memory_limit=_limit(args))
+                              costs=parse_costs(args.costs, args.ranks), memory_limit=memory_limit(args))
     text = to_torch_csv(schedule)
     if args.output:
         Path(args.output).write_text(text)
@@ -181,7 +184,7 @@ def _compare(args) -> int:
 
 def _search(args) -> int:
     costs = parse_costs(args.costs, args.ranks)
-    found = search(args.ranks, args.microbatches, costs, _limit(args))
+    found = search(args.ranks, args.microbatches, costs, memory_limit(args))
     _, _, record = _report("auto", args)
     record["search_seconds"] = round(found.seconds, 4)
     record["candidates"] = found.candidates
@@ -214,7 +217,7 @@ def _frontier(args) -> int:
 
 
 def _plot_frontier(args, costs, rows) -> None:
-    from .schedule.render_image import plot_frontier
+    from ..schedule.render_image import plot_frontier
 
     fixed = []
     for name in ("1f1b", "zb-1p", "v-min", "v-half", "v-zb"):
@@ -224,14 +227,3 @@ def _plot_frontier(args, costs, rows) -> None:
         raise ScheduleError(f"--output must end in .png, got {args.output!r}")
     title = f"p={args.ranks} m={args.microbatches} costs {args.costs}"
     plot_frontier([(r["peak_memory_vs_1f1b"], r["bubble_rate"]) for r in rows], fixed, args.output, title)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler = {"simulate": _simulate, "render": _render, "export": _export, "compare": _compare,
-               "search": _search, "frontier": _frontier}
-    try:
-        return handler[args.command](args)
-    except ScheduleError as err:
-        print(f"vshape: error: {err}", file=sys.stderr)
-        return 2

@@ -1,0 +1,34 @@
+"""The ``vshape`` command. The CLI package is the only code that prints.
+
+Each module registers its own subcommands (``register(subparsers)``, each parser carrying its
+``handler``): ``schedules`` (simulate, render, export, compare, search, frontier).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..schedule import ScheduleError
+from . import schedules
+
+__all__ = ["main", "build_parser"]
+
+_MODULES = (schedules,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vshape", description="memory-controllable V-shape pipeline schedules for megatron-core")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in _MODULES:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ScheduleError, ValueError) as err:
+        print(f"vshape: error: {err}", file=sys.stderr)
+        return 2
