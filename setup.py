@@ -9,13 +9,13 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_vshape", "megatron_vshape.*"]),
     python_requires=">=3.10",
-    install_requires=[],  # the schedule core is standard library only
+    install_requires=["PyYAML"],  # the schedule core itself is standard library only
     extras_require={
         # torch must be pinned or preinstalled: an open range pulls several GB of CUDA wheels.
         "runtime": ["torch==2.13.0"],
-        "megatron": ["torch==2.13.0", "megatron-core==0.16.*", "psutil"],
+        "megatron": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "tqdm", "matplotlib"],
         "plot": ["matplotlib"],
-        "test": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "pytest", "hypothesis",
+        "test": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "tqdm", "pytest", "hypothesis",
                  "matplotlib"],
     },
     entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},

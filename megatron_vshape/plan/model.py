@@ -1,0 +1,123 @@
+"""A GPT model's shape, as ``configs/models/NAME.yaml`` gives it, and what follows from it.
+
+One YAML file per model: the fields of :class:`ModelConfig`. The planner predicts memory and
+time from these numbers; the grid and the launchers turn them into Megatron-LM flags
+(:meth:`ModelConfig.megatron_args`), so a model is described once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ModelConfig", "load_model_config"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (GPT) as Megatron-LM builds it."""
+
+    name: str
+    """Short name, e.g. ``gpt-9.6b`` (the file's stem by default)."""
+    num_layers: int
+    """Transformer layers. The paper's advice for V schedules: k * p - 2, so that rank 0,
+    which also holds the embedding and the LM head, runs two layers fewer."""
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None
+    """MLP width; None: 4 x hidden_size."""
+    num_query_groups: int | None = None
+    """Grouped-query attention groups; None: multi-head attention (one group per head)."""
+    vocab_size: int = 51200
+    """Padded vocabulary size (Megatron-LM pads the tokenizer's to a multiple of 128 x TP)."""
+    seq_length: int = 2048
+    """Default sequence length (a plan or a grid may override it)."""
+    max_position_embeddings: int | None = None
+    """None: seq_length."""
+    untie_embeddings_and_output_weights: bool = False
+    swiglu: bool = False
+    description: str = ""
+    """Where the shape comes from (e.g. how the layer count was derived)."""
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                      "seq_length"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"model {self.name!r}: {field} must be >= 1, got "
+                                 f"{getattr(self, field)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"model {self.name!r}: hidden_size {self.hidden_size} must be a "
+                             f"multiple of num_attention_heads {self.num_attention_heads}")
+        groups = self.query_groups
+        if self.num_attention_heads % groups:
+            raise ValueError(f"model {self.name!r}: num_attention_heads must be a multiple of "
+                             f"num_query_groups {groups}")
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def layer_parameters(self) -> int:
+        """Parameters of one transformer layer: QKV and output projections, the MLP (two
+        matrices, three with SwiGLU), biases and two layernorms."""
+        h, f = self.hidden_size, self.ffn
+        kv = 2 * self.query_groups * self.head_dim
+        attention = h * (h + kv) + (h + kv) + h * h + h
+        mlp = (3 if self.swiglu else 2) * h * f + (2 if self.swiglu else 1) * f + h
+        return attention + mlp + 4 * h
+
+    def embedding_parameters(self) -> int:
+        """Word and position embeddings, the final layernorm and (untied) the LM head."""
+        h = self.hidden_size
+        words = self.vocab_size * h
+        positions = (self.max_position_embeddings or self.seq_length) * h
+        head = words if self.untie_embeddings_and_output_weights else 0
+        return words + positions + 2 * h + head
+
+    def parameters(self) -> int:
+        return self.num_layers * self.layer_parameters() + self.embedding_parameters()
+
+    def megatron_args(self, seq_length: int | None = None) -> list[str]:
+        """Megatron-LM flags that build this model."""
+        seq = seq_length or self.seq_length
+        args = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+                "--num-attention-heads", str(self.num_attention_heads),
+                "--ffn-hidden-size", str(self.ffn), "--seq-length", str(seq),
+                "--max-position-embeddings", str(max(seq, self.max_position_embeddings or 0))]
+        if self.num_query_groups:
+            args += ["--group-query-attention", "--num-query-groups", str(self.num_query_groups)]
+        if self.untie_embeddings_and_output_weights:
+            args.append("--untie-embeddings-and-output-weights")
+        if self.swiglu:
+            args.append("--swiglu")
+        return args
+
+    def with_overrides(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read ``configs/models/NAME.yaml``; unknown keys are an error that lists the valid ones."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"model config {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"model config {str(path)!r} must be a mapping of ModelConfig fields")
+    valid = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - valid)
+    if unknown:
+        raise ValueError(f"model config {str(path)!r}: unknown keys {unknown}; valid keys: "
+                         f"{', '.join(sorted(valid))}")
+    data.setdefault("name", path.stem)
+    return ModelConfig(**data)
