@@ -33,9 +33,10 @@ def _merge(values, name):
     return steps, evaluation, values[0][name][-1].get("costs")
 
 
-def _compare(world, layers, tied, microbatches=4, pp=None, ddp=None, tp=1, reference=None):
+def _compare(world, layers, tied, microbatches=4, pp=None, ddp=None, tp=1, reference=None,
+             sequence_parallel=False):
     outcomes = run_gloo(compare_runs, world, V_SCHEDULES, layers, microbatches, STEPS, tied, pp,
-                        ddp, tp, False, reference, timeout=600)
+                        ddp, tp, sequence_parallel, reference, timeout=600)
     failed = [o for o in outcomes if not o.ok]
     assert not failed, failed[0].error
     values = [o.value for o in outcomes]
@@ -70,9 +71,18 @@ def pp2_distopt_tied():
 @pytest.fixture(scope="module")
 def pp2_tp2_tied():
     """Tensor parallel 2 x pipeline 2: the deferred W of column/row parallel linears, and the
-    tensor-parallel all-reduces, on gloo. (Sequence parallel needs apex or Transformer Engine
-    norms: megatron's torch LayerNorm refuses it, so that case is GPU-only.)"""
+    tensor-parallel all-reduces, on gloo."""
     return _compare(4, 4, tied=True, tp=2)
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2_sp_ddp():
+    """TP = 2 with sequence parallel, under DDP (finalize_model_grads sums the norms' gradients
+    over TP): B reduce-scatters the input gradient, W all-gathers the linear's input again.
+    gloo has both collectives; megatron's torch LayerNorm refuses sequence parallel, so both
+    schedules use the test-support norm that accepts it (tests/support/megatron_cpu.py)."""
+    return _compare(4, 4, tied=True, tp=2, ddp={"overlap_grad_reduce": True},
+                    sequence_parallel=True)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +94,7 @@ def pp4_uneven_tied():
 
 
 FIXTURES = ["pp2_untied", "pp4_tied", "pp2_dp2_tied_overlap", "pp2_distopt_tied", "pp2_tp2_tied",
-            "pp4_uneven_tied"]
+            "pp2_tp2_sp_ddp", "pp4_uneven_tied"]
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)

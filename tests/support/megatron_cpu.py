@@ -79,6 +79,32 @@ def install_cpu_shims() -> None:
     _rebind(mrandom, "model_parallel_cuda_manual_seed")
 
 
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm, accepted under sequence parallel.
+
+    megatron's torch norm (WrappedTorchNorm) refuses sequence parallel; the norms that accept
+    it (apex's FusedLayerNorm, TE's) are GPU builds. This one computes the same thing and, as
+    FusedLayerNorm does, marks its parameters ``sequence_parallel`` so finalize_model_grads
+    sums their gradients over the tensor-parallel ranks (each rank saw part of the sequence).
+    """
+
+    def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                 zero_centered_gamma=False, normalization="LayerNorm"):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+def allow_sequence_parallel_norms() -> None:
+    """Build layer specs and blocks with :class:`SequenceParallelLayerNorm` (idempotent; call
+    before building specs). Both schedules of a comparison must use it."""
+    from megatron.core.models import backends
+    from megatron.core.transformer import transformer_block
+
+    backends.LNImpl = SequenceParallelLayerNorm
+    transformer_block.LayerNormImpl = SequenceParallelLayerNorm
+
+
 def _rebind(module, name):
     """Modules that did ``from ...random import name`` hold the original: rebind them too."""
     import sys

@@ -4,7 +4,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from support.megatron_cpu import install_cpu_shims
+from support.megatron_cpu import allow_sequence_parallel_norms, install_cpu_shims
 
 SEQ, MBS, VOCAB, HIDDEN = 8, 2, 64, 16
 
@@ -121,6 +121,8 @@ def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, ti
 
     pp = pp or world // tp
     par = {"tp": tp, "sequence_parallel": sequence_parallel}
+    if sequence_parallel:
+        allow_sequence_parallel_norms()
     out = {"1f1b": megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp,
                                       reference_config=reference_config, **par)}
     ps.destroy_model_parallel()
