@@ -34,13 +34,15 @@ def _merge(values, name):
 
 
 def _compare(world, layers, tied, microbatches=4, pp=None, ddp=None, tp=1, reference=None,
-             sequence_parallel=False):
-    outcomes = run_gloo(compare_runs, world, V_SCHEDULES, layers, microbatches, STEPS, tied, pp,
-                        ddp, tp, sequence_parallel, reference, timeout=600)
+             sequence_parallel=False, options=None, schedules=V_SCHEDULES, raw=False):
+    outcomes = run_gloo(compare_runs, world, schedules, layers, microbatches, STEPS, tied, pp,
+                        ddp, tp, sequence_parallel, reference, options, timeout=600)
     failed = [o for o in outcomes if not o.ok]
     assert not failed, failed[0].error
     values = [o.value for o in outcomes]
-    return {name: _merge(values, name) for name in ("1f1b",) + V_SCHEDULES}
+    if raw:
+        return values
+    return {name: _merge(values, name) for name in ("1f1b",) + schedules}
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +179,74 @@ def test_profiled_costs_replan_auto(pp4_tied):
     assert len(costs.forward) == 4
     assert min(costs.forward + costs.backward + costs.weight) > 0
     validate(build_schedule("auto", 4, 8, costs=costs, memory_limit=3.0), memory_limit=3.0)
+
+
+# -- what Megatron-LM's training loop adds on top of megatron-core ------------------------------
+LOOP = {"per_token": True, "relay": True, "timers": True, "param_sync": True,
+        "align_grad_reduce": True, "replan_after": 1, "memory_limit": "0.75"}
+
+
+@pytest.fixture(scope="module")
+def pp4_training_loop():
+    """PP = 4 under DDP with overlap_grad_reduce and align_grad_reduce (config.grad_sync_func:
+    each chunk's reduction launched after its last W), pretrain_gpt's per-token loss
+    (calculate_per_token_loss: the token count comes from rank 0 under a V), losses relayed to
+    the last pipeline rank, megatron's timers, param_sync_func, and auto re-planned from the
+    costs measured in its first iteration (limit 0.75 of 1F1B)."""
+    return _compare(4, 8, tied=True, ddp={"overlap_grad_reduce": True}, options=LOOP,
+                    schedules=("v-half", "auto"), raw=True)
+
+
+@pytest.mark.parametrize("name", ["v-half", "auto"])
+def test_training_loop_hooks_match_megatrons_1f1b(name, pp4_training_loop):
+    values = pp4_training_loop
+    for step in range(STEPS):
+        ref = [v["1f1b"][step] for v in values]
+        got = [v[name][step] for v in values]
+        # losses where Megatron-LM reads them: the last pipeline rank only
+        assert [bool(r["losses"]) for r in got] == [r["pp_rank"] == 3 for r in got]
+        ref_losses = [x for r in ref for x in r["losses"]]
+        got_losses = [x for r in got for x in r["losses"]]
+        assert len(got_losses) == len(ref_losses) == 4
+        assert max(abs(a - b) for a, b in zip(got_losses, ref_losses)) < 1e-5
+        ref_grads = {k: g for r in ref for k, g in r["grads"].items()}
+        got_grads = {k: g for r in got for k, g in r["grads"].items()}
+        assert set(got_grads) == set(ref_grads)
+        for key, grad in got_grads.items():  # per-token scaling: same 1/num_tokens as megatron
+            assert (grad - ref_grads[key]).abs().max().item() < 1e-5, key
+        for r in got:  # timer starts so far (cumulative over steps)
+            assert r["timers"].get("forward-backward") == step + 1
+            assert r["timers"].get("forward-compute", 0) >= 8 * (step + 1)  # 2 chunks x 4 mbs
+            assert r["timers"].get("backward-compute", 0) >= 16 * (step + 1)  # B and W passes
+            assert sorted(r["param_syncs"]) == sorted([0, 1] * (step + 1))  # once per chunk and step
+    evaluation = [x for v in values for x in v[name][-1]["eval"]]
+    assert len(evaluation) == 4  # forward-only losses relayed too
+
+
+def test_auto_replans_from_measured_costs_and_stays_equal(pp4_training_loop):
+    last = [v["auto"][-1] for v in pp4_training_loop]
+    assert all(r["replanned"] for r in last)
+    # the same schedules on every rank, before and after re-planning (agreed costs)
+    assert len({tuple(r["plans"]) for r in last}) == 1
+    assert [steps for steps, _ in last[0]["plans"]] == [0, 1]
+    costs = last[0]["costs"]
+    assert min(costs.forward + costs.backward + costs.weight) > 0
+
+
+def test_auto_under_a_byte_limit_measures_its_unit_then_replans():
+    """A limit in bytes: the first (profiled) iteration runs V-Min while the bytes kept for
+    backward are tracked; then auto is searched under limit / measured bytes per unit."""
+    values = _compare(2, 4, tied=False, options={"replan_after": 1, "memory_limit": "1MiB"},
+                      schedules=("auto",), raw=True)
+    last = [v["auto"][-1] for v in values]
+    assert all(r["replanned"] for r in last)
+    per_unit = {r["activation_bytes"] for r in last}
+    assert len(per_unit) == 1 and 0 < per_unit.pop() < 2**20  # agreed on every rank
+    plans = last[0]["plans"]  # V-Min while profiling, then auto
+    assert [steps for steps, _ in plans] == [0, 1] and plans[0][1].startswith("v-min")
+    assert plans[1][1].startswith("auto")
+    for step in range(STEPS):
+        ref = {k: g for v in values for k, g in v["1f1b"][step]["grads"].items()}
+        got = {k: g for v in values for k, g in v["auto"][step]["grads"].items()}
+        assert set(got) == set(ref)
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5

@@ -12,7 +12,7 @@ import megatron_vshape  # noqa: E402
 from megatron_vshape.megatron.forward_backward import VShapeForwardBackward  # noqa: E402
 from megatron_vshape.megatron.install import VShapeConfig  # noqa: E402
 from megatron_vshape.megatron.model import MirroredGroup, check_v_config  # noqa: E402
-from megatron_vshape.schedule import ScheduleError  # noqa: E402
+from megatron_vshape.schedule import ScheduleError, simulate  # noqa: E402
 
 
 def test_install_is_idempotent_reversible_and_delegates():
@@ -59,9 +59,22 @@ def test_forward_backward_checks_chunks_and_microbatches_before_work():
         fb._schedule(4, 8, 1, 1, config)
     with pytest.raises(ScheduleError, match="microbatches"):
         fb._schedule(4, 0, 2, 2, config)
-    config.calculate_per_token_loss = True
-    with pytest.raises(ValueError, match="calculate_per_token_loss"):
-        fb._schedule(4, 8, 2, 2, config)
+    with pytest.raises(ValueError, match="replan_after re-plans the 'auto' schedule"):
+        VShapeForwardBackward("v-half", replan_after=3)
+    with pytest.raises(ScheduleError, match="memory_limit must be a number with a unit"):
+        VShapeForwardBackward("auto", memory_limit="40 bananas")
+
+
+def test_auto_under_a_byte_limit_starts_as_v_min_until_measured():
+    """A limit in bytes cannot be converted to units before a unit's bytes are measured, so
+    the profiled iterations run the smallest-memory schedule; a fraction converts at once."""
+    fb = VShapeForwardBackward("auto", memory_limit="2GiB", replan_after=2)
+    assert fb._build(4, 8).name == "v-min"
+    fb.replanner.activation_bytes = 1 * 2**30  # as measured: 1 GiB per unit -> 2 units
+    found = fb._build(4, 8)
+    assert found.name == "auto" and simulate(found).peak_memory_max <= 2.0 + 1e-9
+    half = VShapeForwardBackward("auto", memory_limit="0.5")._build(4, 8)
+    assert simulate(half).peak_memory_max <= 2.0 + 1e-9
 
 
 def test_mirrored_group_reports_the_v_rank():

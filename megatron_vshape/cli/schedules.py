@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 from ..schedule import (SCHEDULES, ScheduleError, build_schedule, parse_costs, simulate, validate)
-from ..schedule.search import frontier, memory_limit_units, search
+from ..schedule.limits import MemoryLimit, parse_bytes
+from ..schedule.search import frontier, search
 from ..schedule.render_image import render_png, render_svg
 from ..schedule.render_text import render_grid
 from ..schedule.torch_csv import to_torch_csv
@@ -37,33 +37,18 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
                              "(e.g. 1.5GiB), for a --memory-limit in bytes")
 
 
-_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9}
-
-
-def _bytes(text: str, setting: str) -> float:
-    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]+)\s*", text)
-    try:
-        return float(match.group(1)) * _UNITS[match.group(2).lower()]
-    except (AttributeError, ValueError, KeyError):
-        raise ScheduleError(f"{setting} must be a number with a unit ({', '.join(_UNITS)}), "
-                            f"got {text!r}") from None
-
-
 def memory_limit(args) -> float | None:
     """The memory limit in units, or None when none was given."""
-    text = args.memory_limit
-    if text is None:
+    if args.memory_limit is None:
         if args.activation_bytes is not None:
             raise ScheduleError("--activation-bytes only makes sense with a --memory-limit in bytes")
         return None
-    try:
-        fraction = float(text)
-    except ValueError:
-        if args.activation_bytes is None:
-            raise ScheduleError(f"--memory-limit {text} is in bytes: give --activation-bytes too") from None
-        return memory_limit_units(args.ranks, args.microbatches, limit_bytes=_bytes(text, "--memory-limit"),
-                                  activation_bytes=_bytes(args.activation_bytes, "--activation-bytes"))
-    return memory_limit_units(args.ranks, args.microbatches, fraction=fraction)
+    limit = MemoryLimit.parse(args.memory_limit, "--memory-limit")
+    if limit.needs_activation_bytes and args.activation_bytes is None:
+        raise ScheduleError(f"--memory-limit {args.memory_limit} is in bytes: give --activation-bytes too")
+    activation = (parse_bytes(args.activation_bytes, "--activation-bytes")
+                  if limit.needs_activation_bytes else None)
+    return limit.units(args.ranks, args.microbatches, activation)
 
 
 def register(sub) -> None:

@@ -5,10 +5,12 @@ the number of microbatches, the forward data store) with the chunk's vp stage an
 the V's last stage passed explicitly (its fallback asks parallel_state, which assumes the loop
 placement). B runs the backward through the engine (outputs are deallocated after sending) with
 ``config.grad_scale_func`` applied to the loss, and leaves a chunk's ``no_sync`` before that
-chunk's last B so DDP reduces its gradients; W runs the chunk's deferred weight gradients.
+chunk's last B so DDP reduces its gradients; W runs the chunk's deferred weight gradients. B
+and W run under megatron's ``backward-compute`` timer, as its backward_step does.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -29,7 +31,8 @@ class MegatronStages:
     def __init__(self, schedule: Schedule, rank: int, chunks: Sequence[torch.nn.Module],
                  forward_step_func: Callable, data_iterators: Sequence[Any], config,
                  cp_group_size: int = 1, collect_non_loss_data: bool = False,
-                 first_val_step: bool | None = None, forward_only: bool = False, stores: Sequence[WeightGradStore] | None = None):
+                 first_val_step: bool | None = None, forward_only: bool = False,
+                 stores: Sequence[WeightGradStore] | None = None):
         self.schedule, self.rank = schedule, rank
         self.chunks = list(chunks)
         self.forward_step_func = forward_step_func
@@ -42,13 +45,42 @@ class MegatronStages:
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int)
         self._chunk_of = {schedule.placement.stage_of(rank, c): c for c in range(len(chunks))}
-        self._last_backward = _last_backward_per_chunk(schedule, rank, self._chunk_of)
+        self._last_backward = _last_pass_per_chunk(schedule, rank, self._chunk_of,
+                                                   (PassKind.B, PassKind.BW))
+        self._last_weight = _last_pass_per_chunk(schedule, rank, self._chunk_of,
+                                                 (PassKind.W, PassKind.BW))
         self._no_sync = [None] * len(chunks)
+        self._grad_sync_launched: set[int] = set()
         self._te = [te_wgrad_modules(c) for c in chunks]
         if any(self._te):
             _check_w_follows_b(schedule, rank)
 
-    # -- grad sync --------------------------------------------------------------------------
+    # -- parameter and grad sync -------------------------------------------------------------
+    def start_param_sync(self) -> None:
+        """Launch every chunk's parameter all-gather (distributed optimizer with
+        overlap_param_gather), as megatron's interleaved schedule does for its first chunks;
+        each chunk's forward pre-hook waits for its own."""
+        funcs = self.config.param_sync_func
+        if funcs is None:
+            return
+        for c, chunk in enumerate(self.chunks):
+            (funcs[c] if isinstance(funcs, (list, tuple)) else funcs)(chunk.parameters())
+
+    @contextlib.contextmanager
+    def tracking(self, tracker):
+        """Count what the W stores keep in ``tracker`` too, inside (None: change nothing)."""
+        if tracker is None:
+            yield
+            return
+        before = [store.tracker for store in self.stores]
+        for store in self.stores:
+            store.tracker = tracker
+        try:
+            yield
+        finally:
+            for store, previous in zip(self.stores, before):
+                store.tracker = previous
+
     def disable_grad_sync(self) -> None:
         """Enter every chunk's no_sync (start of the step)."""
         funcs = self.config.no_sync_func
@@ -62,6 +94,23 @@ class MegatronStages:
         if self._no_sync[chunk] is not None:
             self._no_sync[chunk].__exit__(None, None, None)
             self._no_sync[chunk] = None
+
+    def launch_grad_sync(self, chunk: int) -> None:
+        """Leave the chunk's no_sync and, once, call ``config.grad_sync_func`` for it.
+
+        Two ways to start the data-parallel reduction, as megatron's schedules have them:
+        without grad_sync_func, no_sync is left before the chunk's last B and DDP's hooks launch
+        each bucket when W completes it; with it (Megatron-LM's align_grad_reduce), the chunk
+        stays in no_sync and the whole chunk is launched right after its last W.
+        """
+        if chunk in self._grad_sync_launched:
+            return
+        self._grad_sync_launched.add(chunk)
+        self.enable_grad_sync(chunk)
+        funcs = self.config.grad_sync_func
+        if funcs is not None:
+            (funcs[chunk] if isinstance(funcs, (list, tuple)) else funcs)(
+                self.chunks[chunk].parameters())
 
     # -- passes ------------------------------------------------------------------------------
     def forward(self, stage, microbatch, input_tensor, data):
@@ -81,29 +130,48 @@ class MegatronStages:
 
     def backward_input(self, stage, microbatch, output, output_grad):
         c = self._chunk_of[stage]
-        if self._last_backward[c] == microbatch:
-            self.enable_grad_sync(c)
+        if self.config.grad_sync_func is None and self._last_backward[c] == microbatch:
+            self.launch_grad_sync(c)
         if output_grad is None and self.config.grad_scale_func is not None:
             output = self.config.grad_scale_func(output)
         if not output.requires_grad:
             return
-        with self.stores[c].collecting(microbatch):
+        with self._timer(), self.stores[c].collecting(microbatch):
             run_backward(output, output_grad)
             if self._te[c]:  # TE queues the weight GEMMs itself, first in first out
                 self.stores[c].defer(functools.partial(_te_backward_dw, self._te[c]))
 
     def backward_weight(self, stage, microbatch):
-        self.stores[self._chunk_of[stage]].run(microbatch)
+        c = self._chunk_of[stage]
+        with self._timer():
+            self.stores[c].run(microbatch)
+        if self.config.grad_sync_func is not None and self._last_weight[c] == microbatch:
+            self.launch_grad_sync(c)
+
+    def _timer(self):
+        timers = self.config.timers
+        if timers is None:
+            return contextlib.nullcontext()
+        return _running(timers("backward-compute", log_level=2))
 
     def pending_weight_work(self):
         return {c: s.pending for c, s in enumerate(self.stores) if s.pending}
 
 
-def _last_backward_per_chunk(schedule: Schedule, rank: int, chunk_of: dict) -> dict[int, int]:
-    """Chunk -> microbatch of its last B (or BW) in this rank's order."""
+@contextlib.contextmanager
+def _running(timer):
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.stop()
+
+
+def _last_pass_per_chunk(schedule: Schedule, rank: int, chunk_of: dict, kinds) -> dict[int, int]:
+    """Chunk -> microbatch of its last pass of ``kinds`` in this rank's order."""
     last = {}
     for action in schedule.compute_actions(rank):
-        if action.kind in (PassKind.B, PassKind.BW):
+        if action.kind in kinds:
             last[chunk_of[action.stage]] = action.microbatch
     return last
 

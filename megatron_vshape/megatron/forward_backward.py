@@ -1,10 +1,16 @@
 """The forward-backward function megatron's training loop calls, running a V (or ZB) schedule.
 
 It honours megatron-core's keyword contract (see ``get_forward_backward_func``) and config
-hooks: no_sync per chunk, grad_sync_func, grad_scale_func, finalize_model_grads_func,
+hooks: timers, no_sync per chunk, param_sync_func, grad_sync_func, grad_scale_func,
+finalize_model_grads_func (with the token count under calculate_per_token_loss),
 deallocate_pipeline_outputs, variable_seq_lengths. The schedule comes from the registry, the
 execution from the runtime's interpreter; per pipeline group, the stream groups are created once
 (collectively, on the first call) and kept by the :class:`VShapeForwardBackward` instance.
+
+Under a V the loss is computed on pipeline rank 0, where megatron's 1F1B has it on the last
+rank. Megatron-LM's training loop and evaluation read the loss dicts on the last rank only, so
+``losses_on_last_rank`` relays them there (and returns [] on rank 0), as megatron does.
+``auto`` re-plans itself from measured costs after ``replan.after`` iterations (replan.py).
 """
 from __future__ import annotations
 
@@ -17,9 +23,12 @@ from ..runtime.interpreter import PipelineRunner, RunnerConfig
 from ..runtime.p2p import TensorSpec
 from ..runtime.profile import PassProfile
 from ..runtime.streams import StreamGroups
+from ..schedule.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, build_schedule
+from ..schedule.simulate import simulate
 from .compute import MegatronStages
 from .model import sum_tied_embedding_grads
+from .replan import Replanner
 
 __all__ = ["VShapeForwardBackward"]
 
@@ -33,15 +42,26 @@ class VShapeForwardBackward:
     """Callable like megatron's forward_backward functions, for one schedule name."""
 
     schedule: str
-    memory_limit: float | None = None
-    """Units of one microbatch's activations of one rank's layer share (auto only)."""
+    memory_limit: MemoryLimit | None = None
+    """auto: the peak activation memory allowed (a fraction of 1F1B's, or bytes per GPU)."""
     costs: object = None
-    """schedule.Costs for auto (None: uniform)."""
+    """schedule.Costs for auto (None: uniform until re-planned from measurements)."""
     timeout: float = 600.0
+    replan_after: int = 0
+    """auto: re-plan from the costs (and memory) measured in this many first iterations."""
+    losses_on_last_rank: bool = False
+    """Relay the loss dicts from rank 0 (where the V computes them) to the last pipeline rank
+    (where Megatron-LM's training loop reads them)."""
     profile: PassProfile = field(default_factory=PassProfile)
     """Pass durations of the training steps run so far (see runtime/profile.py)."""
     synchronize: bool = False
     """Synchronize the GPU around passes (accurate profiles, slower steps)."""
+    last_step: object = field(default=None, repr=False)
+    """The runtime's StepResult of the latest call (timeline, seconds)."""
+    replanner: Replanner = field(default=None, repr=False)
+    plans: list = field(default_factory=list, repr=False)
+    """Every schedule built, in order: (training iterations before it, its description)."""
+    _relearn_ddp: bool = field(default=False, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
     _schedules: dict = field(default_factory=dict, repr=False)
     _runners: dict = field(default_factory=dict, repr=False)
@@ -50,6 +70,13 @@ class VShapeForwardBackward:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {self.schedule!r}; valid choices: "
                              f"{', '.join(SCHEDULES)}")
+        if isinstance(self.memory_limit, str):
+            self.memory_limit = MemoryLimit.parse(self.memory_limit, "memory_limit")
+        if self.replan_after and self.schedule != "auto":
+            raise ValueError(f"replan_after re-plans the 'auto' schedule; {self.schedule!r} is a "
+                             "fixed order: use schedule='auto' or replan_after=0")
+        if self.replanner is None:
+            self.replanner = Replanner(self.replan_after, self.memory_limit)
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                  micro_batch_size, decoder_seq_length=None, forward_only=False,
@@ -61,6 +88,9 @@ class VShapeForwardBackward:
         chunks = model if isinstance(model, list) else [model]
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         config, pg = _config_and_groups(chunks, pg_collection)
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(
+                barrier=getattr(config, "barrier_with_L1_time", False))
         schedule = self._schedule(pg.pp.size(), num_microbatches, len(chunks), len(iterators),
                                   config)
         spec = self._spec(config, pg, seq_length, micro_batch_size, decoder_seq_length,
@@ -68,14 +98,30 @@ class VShapeForwardBackward:
         stages = MegatronStages(schedule, pg.pp.rank(), chunks, forward_step_func, iterators,
                                 config, pg.cp.size(), collect_non_loss_data, first_val_step,
                                 forward_only)
-        runner = self._runner(schedule, pg, spec, config)
+        if self._relearn_ddp and not forward_only:
+            _relearn_grad_ready_counts(chunks)
+            self._relearn_ddp = False
+        profiling = self.replanner.profiling and not forward_only
+        runner = self._runner(schedule, pg, spec, config, profiling)
         runner.compute = stages  # this call's model, data and loss; order and buffers are kept
+        tracker = self.replanner.start_step([p for c in chunks for p in c.parameters()]) \
+            if profiling else None
         if not forward_only:
+            stages.start_param_sync()
             stages.disable_grad_sync()
-        result = runner.step(forward_only=forward_only)
+        with stages.tracking(tracker):
+            runner.tracker = tracker
+            self.last_step = runner.step(forward_only=forward_only)
+            runner.tracker = None
         if not forward_only:
             _finish_grads(stages, chunks, config, pg, force_all_reduce)
-            self.profile.add(result.timeline)
+            self.profile.add(self.last_step.timeline)
+            if self.replanner.end_step(schedule, pg.pp.rank()):
+                self._replan(schedule, pg, spec)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        if self.losses_on_last_rank:
+            return _relay_to_last_rank(stages.forward_data_store, pg.pp)
         return stages.forward_data_store
 
     def measured_costs(self, num_microbatches: int, pg_collection=None, comm: float = 0.0):
@@ -95,26 +141,47 @@ class VShapeForwardBackward:
                 f"pipeline schedule {self.schedule!r} needs {2 if two else 1} model chunk(s) and as "
                 f"many data iterators per rank, got {num_chunks} and {num_iterators}; build the "
                 "model with megatron_vshape.megatron.model.build_v_chunks for V schedules")
-        if getattr(config, "calculate_per_token_loss", False):
-            raise ValueError("calculate_per_token_loss is not supported with V schedules yet "
-                             "(the token count lives on rank 0, megatron broadcasts it from the "
-                             "last rank); turn it off")
         key = (p, m)
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(self.schedule, p, m, costs=self.costs,
-                                                  memory_limit=self.memory_limit)
+            self._schedules[key] = self._build(p, m)
+            self.plans.append((self.replanner.steps, self._schedules[key].description))
+            _log_schedule(self._schedules[key], self.costs, self.memory_limit)
         return self._schedules[key]
 
-    def _runner(self, schedule, pg, spec, config) -> PipelineRunner:
+    def _build(self, p, m):
+        """The schedule for (p, m); ``auto`` under a byte limit starts as V-Min (the smallest
+        memory) until the profiled iterations have measured the bytes of a unit."""
+        if self.schedule != "auto":
+            return build_schedule(self.schedule, p, m)
+        if self.memory_limit is not None and self.memory_limit.needs_activation_bytes and \
+                self.replanner.activation_bytes is None:
+            return build_schedule("v-min", p, m)
+        return build_schedule("auto", p, m, costs=self.costs,
+                              memory_limit=self.replanner.limit_units(p, m))
+
+    def _replan(self, schedule, pg, spec) -> None:
+        """Re-plan ``auto`` from what the profiled iterations measured (same on every rank)."""
+        groups = self._stream_groups(schedule, pg)
+        self.costs = self.replanner.measured(self.profile, schedule, pg.pp.rank(), pg.pp,
+                                             groups, spec)
+        self._schedules.clear()
+        self._runners.clear()
+        self._relearn_ddp = True
+        log.info("[vshape] re-planning auto from measured costs F,B,W,COMM=%s%s",
+                 self.costs.as_list(), "" if self.replanner.activation_bytes is None else
+                 f" and {self.replanner.activation_bytes:.4g} bytes per unit")
+
+    def _runner(self, schedule, pg, spec, config, profiling=False) -> PipelineRunner:
         """One validated runner per (schedule, pipeline, tensor spec), reused across steps."""
+        synchronize = self.synchronize or (profiling and torch.cuda.is_available())
         key = (id(schedule), tuple(torch.distributed.get_process_group_ranks(pg.pp)), spec,
-               bool(config.deallocate_pipeline_outputs))
+               bool(config.deallocate_pipeline_outputs), synchronize)
         if key not in self._runners:
             self._runners[key] = PipelineRunner(
                 schedule, None, self._stream_groups(schedule, pg), spec,
                 RunnerConfig(timeout=self.timeout, scale_loss=False,
                              deallocate_outputs=config.deallocate_pipeline_outputs,
-                             synchronize=self.synchronize))
+                             synchronize=synchronize))
         return self._runners[key]
 
     def _stream_groups(self, schedule, pg):
@@ -161,12 +228,79 @@ def _all_pipelines(pp_group):
 
 def _finish_grads(stages, chunks, config, pg, force_all_reduce):
     for c in range(len(chunks)):
-        stages.enable_grad_sync(c)
-    if config.grad_sync_func is not None:
-        funcs = config.grad_sync_func
-        for c, chunk in enumerate(chunks):
-            (funcs[c] if isinstance(funcs, (list, tuple)) else funcs)(chunk.parameters())
+        stages.launch_grad_sync(c)  # the chunks whose reduction has not started yet
     if config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func(chunks, None, pg_collection=pg,
+        num_tokens = None
+        if config.calculate_per_token_loss:
+            # megatron broadcasts the count from the last rank; the V counted it on rank 0
+            num_tokens = stages.total_num_tokens.to(_device())
+            torch.distributed.broadcast(num_tokens, src=_pp_global_rank(pg.pp, 0), group=pg.pp)
+        config.finalize_model_grads_func(chunks, num_tokens, pg_collection=pg,
                                          force_all_reduce=force_all_reduce)
     sum_tied_embedding_grads(chunks)
+
+
+def _relearn_grad_ready_counts(chunks) -> None:
+    """Make megatron's DDP learn its gradient-ready counts again after a schedule change.
+
+    With overlap_grad_reduce, DDP records in the first iteration how often each weight's hook
+    fires once no_sync is left (under a V, several W passes can follow a chunk's last B) and
+    launches a bucket's reduction when later iterations reach those counts; a new schedule has
+    other counts, so the bucket groups go back to their first-iteration mode.
+    """
+    for chunk in chunks:
+        for group in (getattr(chunk, "bucket_groups", []) +
+                      getattr(chunk, "expert_parallel_bucket_groups", [])):
+            group.is_first_batch = True
+            group.golden_per_param_grad_ready_counts = {}
+
+
+def _device():
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def _pp_global_rank(pp_group, pipeline_rank: int) -> int:
+    return torch.distributed.get_process_group_ranks(pp_group)[pipeline_rank]
+
+
+def _relay_to_last_rank(store: list, pp_group) -> list:
+    """Move rank 0's loss dicts to the last pipeline rank (collective on ranks 0 and p-1)."""
+    rank, last = pp_group.rank(), pp_group.size() - 1
+    if rank == 0:
+        torch.distributed.send_object_list([_to_cpu(store)], _pp_global_rank(pp_group, last),
+                                           group=pp_group)
+        return []
+    if rank == last:
+        box = [None]
+        torch.distributed.recv_object_list(box, _pp_global_rank(pp_group, 0), group=pp_group)
+        return _to_device(box[0])
+    return store
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _to_device(value):
+    if isinstance(value, torch.Tensor):
+        return value.to(_device())
+    if isinstance(value, dict):
+        return {k: _to_device(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v) for v in value)
+    return value
+
+
+def _log_schedule(schedule, costs, limit) -> None:
+    """One line per schedule built (``vshape collect`` parses it from training logs)."""
+    result = simulate(schedule, costs)
+    log.info("[vshape] schedule=%s ranks=%d microbatches=%d peak_memory_vs_1f1b=%.4f "
+             "bubble_rate=%.4f memory_limit=%s description=%s", schedule.name, schedule.ranks,
+             schedule.microbatches, result.peak_memory_vs_1f1b, result.bubble_rate,
+             limit if limit is not None else "none", schedule.description)

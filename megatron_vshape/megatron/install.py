@@ -13,6 +13,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 
+from ..schedule.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES
 from .forward_backward import VShapeForwardBackward
 
@@ -31,10 +32,14 @@ class VShapeConfig:
 
     schedule: str = "1f1b"
     """One of 1f1b, interleaved-1f1b (megatron's own), zb-1p, v-min, v-half, v-zb, auto."""
-    memory_limit: float | None = None
-    """auto: peak activation memory in units (see schedule.search.memory_limit_units)."""
+    memory_limit: MemoryLimit | str | None = None
+    """auto: peak activation memory per rank, a fraction of 1F1B's ("0.5") or bytes ("40GiB")."""
     costs: object = None
-    """auto: schedule.Costs of one rank's layer share (None: F = B = W)."""
+    """auto: schedule.Costs of one rank's layer share (None: F = B = W until re-planned)."""
+    replan_after: int = 0
+    """auto: re-plan from the costs and memory measured in this many first iterations."""
+    losses_on_last_rank: bool = False
+    """Hand the loss dicts to the last pipeline rank, where Megatron-LM's loop logs them."""
     timeout: float = 600.0
     """Seconds a point-to-point wait may take before failing with rank, step and action."""
 
@@ -44,6 +49,13 @@ class VShapeConfig:
                              f"{', '.join(SCHEDULES)}")
         if self.timeout <= 0:
             raise ValueError(f"VShapeConfig.timeout must be > 0 seconds, got {self.timeout}")
+        if isinstance(self.memory_limit, str):
+            object.__setattr__(self, "memory_limit",
+                               MemoryLimit.parse(self.memory_limit, "memory_limit"))
+        if self.replan_after < 0:
+            raise ValueError(f"VShapeConfig.replan_after must be >= 0, got {self.replan_after}")
+        if self.replan_after and self.schedule != "auto":
+            raise ValueError(f"replan_after re-plans the 'auto' schedule, not {self.schedule!r}")
 
 
 class _Wrapper:
@@ -52,9 +64,10 @@ class _Wrapper:
     def __init__(self, original, config: VShapeConfig):
         self.original = original
         self.config = config
-        self.ours = (VShapeForwardBackward(config.schedule, config.memory_limit, config.costs,
-                                           config.timeout)
-                     if config.schedule in OURS else None)
+        self.ours = (VShapeForwardBackward(
+            config.schedule, config.memory_limit, config.costs, config.timeout,
+            replan_after=config.replan_after, losses_on_last_rank=config.losses_on_last_rank)
+            if config.schedule in OURS else None)
 
     def __call__(self, pp_size=None, vp_size=None, **kwargs):
         if self.ours is not None and _pipeline_size(pp_size) > 1:

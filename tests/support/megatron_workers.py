@@ -1,12 +1,26 @@
-"""Workers for the megatron-core gloo tests (run in every spawned rank)."""
+"""Workers for the megatron-core gloo tests (run in every spawned rank).
+
+The model, data and by-name initialisation are megatron_vshape.megatron.tiny_gpt's (the demo
+uses them too). ``options`` switch on what Megatron-LM's training loop does on top of plain
+megatron-core: ``per_token`` (pretrain_gpt's per-token loss, calculate_per_token_loss),
+``relay`` (losses read on the last pipeline rank), ``timers`` (megatron's timers),
+``param_sync`` (config.param_sync_func), ``replan_after`` / ``memory_limit`` (auto re-planned
+from measured costs).
+"""
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from megatron_vshape.megatron import tiny_gpt
+from megatron_vshape.megatron.tiny_gpt import global_grads, global_named_parameters, init_by_name  # noqa: F401
 from support.megatron_cpu import allow_sequence_parallel_norms, install_cpu_shims
 
-SEQ, MBS, VOCAB, HIDDEN = 8, 2, 64, 16
+TEST_GPT = tiny_gpt.TinyGPT(hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,
+                            micro_batch_size=2)
+SEQ, MBS, VOCAB, HIDDEN = (TEST_GPT.seq_length, TEST_GPT.micro_batch_size, TEST_GPT.vocab_size,
+                           TEST_GPT.hidden_size)
 
 
 def _setup(pp, vp=None, tp=1, embedding_ranks=None):
@@ -22,89 +36,25 @@ def _setup(pp, vp=None, tp=1, embedding_ranks=None):
 
 
 def gpt_config(num_layers, pp, vp=None, tp=1, **overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    values = dict(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=2,
-                  use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                  pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
-                  tensor_model_parallel_size=tp, pipeline_dtype=torch.float32,
-                  bf16=False, fp16=False, params_dtype=torch.float32, batch_p2p_sync=False)
+    values = dict(num_layers=num_layers, virtual_pipeline_model_parallel_size=vp)
     values.update(overrides)
-    return TransformerConfig(**values)
+    hidden = values.pop("hidden_size", HIDDEN)
+    heads = values.pop("num_attention_heads", TEST_GPT.num_attention_heads)
+    model = tiny_gpt.TinyGPT(num_layers=values.pop("num_layers"), hidden_size=hidden,
+                             num_attention_heads=heads)
+    return model.transformer_config(pp, tp, **values)
 
 
 def batches(num_microbatches, step):
-    gen = torch.Generator().manual_seed(1000 + step)
-    out = []
-    for _ in range(num_microbatches):
-        tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
-        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                    "loss_mask": torch.ones(MBS, SEQ), "position_ids":
-                    torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ).contiguous()})
-    return out
+    return tiny_gpt.batches(TEST_GPT, num_microbatches, step)
 
 
 def forward_step(data_iterator, model):
-    from functools import partial
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss, batch["loss_mask"])
+    return tiny_gpt.forward_step(data_iterator, model)
 
 
-def _loss(mask, output):
-    losses = output.float().view(-1)
-    loss = torch.sum(losses * mask.view(-1)) / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def megatron_1f1b(rank, world, num_layers, num_microbatches, steps):
-    """Megatron's own 1F1B, PP = world: losses per step and every parameter's gradient."""
-    _setup(world)
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    config = gpt_config(num_layers, world)
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ,
-                     pre_process=pp_rank == 0, post_process=pp_rank == world - 1)
-    fb = get_forward_backward_func()
-    out = []
-    for step in range(steps):
-        for p in model.parameters():
-            p.grad = None
-        losses = fb(forward_step_func=forward_step, data_iterator=iter(batches(num_microbatches, step)),
-                    model=[model], num_microbatches=num_microbatches, seq_length=SEQ,
-                    micro_batch_size=MBS, forward_only=False)
-        out.append({"losses": [d["lm loss"].item() for d in losses],
-                    "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}})
-    return out
-
-
-def global_named_parameters(chunks):
-    """(name with global layer numbers, parameter) over a rank's chunks (1F1B and V alike)."""
-    for chunk in chunks:
-        chunk = getattr(chunk, "module", chunk)  # DDP-wrapped
-        numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
-        for name, p in chunk.named_parameters():
-            parts = name.split(".")
-            if parts[:2] == ["decoder", "layers"]:
-                parts[2] = str(numbers[int(parts[2])])
-            yield ".".join(parts), p
-
-
-def global_grads(chunks):
-    """{global name: gradient} (``main_grad`` under DDP) over a rank's chunks."""
-    out = {}
-    for key, p in global_named_parameters(chunks):
-        grad = getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
-        if grad is not None:
-            out[key] = grad.detach().clone()
-    return out
-
-
-def _gpt_provider(num_layers_unused=None):
-    from functools import partial
+def _gpt_provider():
+    """GPTModel for TEST_GPT; callers pass share_embeddings_and_output_weights."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     return partial(GPTModel, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
@@ -112,15 +62,15 @@ def _gpt_provider(num_layers_unused=None):
 
 
 def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, tied, pp=None,
-                 ddp=None, tp=1, sequence_parallel=False, reference_config=None):
+                 ddp=None, tp=1, sequence_parallel=False, reference_config=None, options=None):
     """Megatron's own 1F1B, then each V schedule, on one world: {name: per-step results}.
 
     ``pp`` defaults to the world (else the rest is data parallel); ``ddp`` is a dict of
-    DistributedDataParallelConfig settings (None: no DDP)."""
+    DistributedDataParallelConfig settings (None: no DDP); ``options`` see the module doc."""
     from megatron.core import parallel_state as ps
 
     pp = pp or world // tp
-    par = {"tp": tp, "sequence_parallel": sequence_parallel}
+    par = {"tp": tp, "sequence_parallel": sequence_parallel, "options": options or {}}
     if sequence_parallel:
         allow_sequence_parallel_norms()
     out = {"1f1b": megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp,
@@ -150,13 +100,15 @@ def _wrap_ddp(config, chunks, ddp, delay_wgrad):
 
 
 def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=None, tp=1,
-                       sequence_parallel=False, reference_config=None):
+                       sequence_parallel=False, reference_config=None, options=None):
     """Megatron's own 1F1B: per step the losses and global-name gradients."""
     _setup(pp, tp=tp)
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    options = options or {}
     config = gpt_config(num_layers, pp, tp=tp, sequence_parallel=sequence_parallel,
+                        calculate_per_token_loss=bool(options.get("per_token")),
                         **(reference_config or {}))
     pp_rank = ps.get_pipeline_model_parallel_rank()
     model = _gpt_provider()(config=config, pre_process=pp_rank == 0,
@@ -165,21 +117,22 @@ def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=
     init_by_name([model], tied)
     chunks = _wrap_ddp(config, [model], ddp, delay_wgrad=False)
     return _train(chunks, get_forward_backward_func(), num_microbatches, steps, tied,
-                  reference=ddp is None)
+                  reference=ddp is None, options=options)
 
 
 def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied, ddp=None, tp=1,
-               sequence_parallel=False, standard_config=None):
+               sequence_parallel=False, standard_config=None, options=None):
     """The same model and data under a V schedule through our forward-backward function."""
-    from functools import partial
-
     from megatron_vshape.megatron.forward_backward import VShapeForwardBackward
     from megatron_vshape.megatron.model import build_v_chunks, v_embedding_ranks
 
     _setup(world, tp=tp, embedding_ranks=v_embedding_ranks)
     from megatron.core import parallel_state as ps
 
-    config = gpt_config(num_layers, world, tp=tp, sequence_parallel=sequence_parallel)
+    options = options or {}
+    per_token = bool(options.get("per_token"))
+    config = gpt_config(num_layers, world, tp=tp, sequence_parallel=sequence_parallel,
+                        calculate_per_token_loss=per_token)
     provider = partial(_gpt_provider(), share_embeddings_and_output_weights=tied)
     if schedule == "zb-1p":  # one chunk per rank, the standard placement, W deferred
         from megatron_vshape.megatron.wgrad import defer_weight_grads
@@ -188,7 +141,7 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
         ps.destroy_model_parallel()
         _setup(world, tp=tp)
         config = gpt_config(num_layers, world, tp=tp, sequence_parallel=sequence_parallel,
-                            **(standard_config or {}))
+                            calculate_per_token_loss=per_token, **(standard_config or {}))
         r = ps.get_pipeline_model_parallel_rank()
         chunks = [provider(config=config, pre_process=r == 0, post_process=r == world - 1)]
         defer_weight_grads(chunks[0], WeightGradStore(), mark_for_ddp=ddp is not None)
@@ -197,26 +150,17 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
                                 ddp_delay_wgrad=ddp is not None)
     init_by_name(chunks, tied)
     chunks = _wrap_ddp(config, chunks, ddp, delay_wgrad=True)
-    fb = VShapeForwardBackward(schedule, timeout=60)
+    auto = schedule == "auto"
+    fb = VShapeForwardBackward(schedule, timeout=60, losses_on_last_rank=bool(options.get("relay")),
+                               replan_after=options.get("replan_after", 0) if auto else 0,
+                               memory_limit=options.get("memory_limit") if auto else None)
     out = _train(chunks, fb, num_microbatches, steps, tied, reference=schedule == "zb-1p" and
-                 ddp is None)
+                 ddp is None, options=options)
     out[-1]["costs"] = fb.measured_costs(num_microbatches)  # profiled F, B, W per rank
+    out[-1]["replanned"] = fb.replanner.done
+    out[-1]["activation_bytes"] = fb.replanner.activation_bytes
+    out[-1]["plans"] = list(fb.plans)
     return out
-
-
-def init_by_name(chunks, tied):
-    """Give every parameter values that depend only on its global name, so 1F1B and V models
-    (built in different orders on different ranks) start identical."""
-    import zlib
-    for key, p in global_named_parameters(chunks):
-        if tied and key == "output_layer.weight":
-            key = "embedding.word_embeddings.weight"
-        gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-        values = 0.05 * torch.randn(p.shape, generator=gen)
-        if "norm" in key and key.endswith("weight"):
-            values += 1.0
-        with torch.no_grad():
-            p.copy_(values)
 
 
 def _grad_buffers(chunk):
@@ -233,11 +177,52 @@ def _allreduce_tied_grads(model):
         dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
-def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
+class RecordingTimers:
+    """Stands in for Megatron-LM's timers: records which timers ran and how often."""
+
+    def __init__(self):
+        self.started = {}
+
+    def __call__(self, name, log_level=0):
+        return _RecordingTimer(self, name)
+
+
+class _RecordingTimer:
+    def __init__(self, timers, name):
+        self.timers, self.name = timers, name
+
+    def start(self, barrier=False):
+        self.timers.started[self.name] = self.timers.started.get(self.name, 0) + 1
+
+    def stop(self, barrier=False):
+        pass
+
+
+def _install_loop_hooks(chunks, options):
+    """The config hooks Megatron-LM's training loop sets that ``options`` asks for."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    config.timers = RecordingTimers() if options.get("timers") else None
+    if options.get("align_grad_reduce") and hasattr(chunks[0], "start_grad_sync"):
+        funcs = [chunk.start_grad_sync for chunk in chunks]  # as Megatron-LM's train() sets it
+        config.grad_sync_func = funcs if len(funcs) > 1 else funcs[0]
+    synced = []
+    if options.get("param_sync"):
+        config.param_sync_func = [partial(lambda c, params: synced.append(c), c)
+                                  for c in range(len(chunks))]
+    return config, synced
+
+
+def _train(chunks, fb, num_microbatches, steps, tied, reference=False, options=None):
     """Steps of plain SGD; per step the losses, gradients by global name, the peak bytes kept
     for backward (saved tensors and what W keeps), and how many weight gradients ran in W."""
     from megatron_vshape.megatron.wgrad import store_of
     from megatron_vshape.runtime.memory import ActivationTracker
+
+    options = options or {}
+    config, synced = _install_loop_hooks(chunks, options)
+    step_func = partial(tiny_gpt.forward_step, per_token=bool(options.get("per_token")))
 
     tracker = ActivationTracker([p for c in chunks for p in c.parameters()] +
                                 [b for c in chunks for b in _grad_buffers(c)])
@@ -259,14 +244,17 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
         dist.barrier()
         begin = time.perf_counter()
         with tracker.saved_tensors_hooks():
-            losses = fb(forward_step_func=forward_step,
+            losses = fb(forward_step_func=step_func,
                         data_iterator=data if len(chunks) > 1 else data[0], model=chunks,
                         num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
                         forward_only=False)
         seconds = time.perf_counter() - begin
         if tied and reference:
             _allreduce_tied_grads(chunks[0])
-        out.append({"losses": [d["lm loss"].item() for d in losses], "dp": dp,
+        out.append({"losses": [tiny_gpt.loss_value(d) for d in losses], "dp": dp,
+                    "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                    "timers": dict(config.timers.started) if config.timers else {},
+                    "param_syncs": list(synced),
                     "grads": {(dp, k): g for k, g in global_grads(chunks).items()},
                     "peak": tracker.peak, "w_ran": sum(s.ran for s in stores) - ran,
                     "seconds": seconds})
@@ -277,10 +265,10 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False):
                     if grad is not None:
                         p -= 0.01 * grad
     data = [iter(batches(num_microbatches, 999)) for _ in chunks]
-    evaluation = fb(forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else
+    evaluation = fb(forward_step_func=step_func, data_iterator=data if len(chunks) > 1 else
                     data[0], model=chunks, num_microbatches=num_microbatches, seq_length=SEQ,
                     micro_batch_size=MBS, forward_only=True)
-    out[-1]["eval"] = [d["lm loss"].item() for d in evaluation]
+    out[-1]["eval"] = [tiny_gpt.loss_value(d) for d in evaluation]
     return out
 
 

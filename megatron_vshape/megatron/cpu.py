@@ -1,0 +1,120 @@
+"""CPU shims so megatron-core 0.16 runs on gloo processes: the one place they live.
+
+For the tests and the CPU demo (``vshape demo``) only; never imported on GPU clusters.
+megatron-core assumes CUDA in a few places (see ../shared/reference/megatron-core.md); each
+patch below names the assumption it removes. Call :func:`install_cpu_shims` once per process,
+before building models. They patch torch and megatron process-wide, which is why only spawned
+worker processes call them.
+"""
+import contextlib
+
+import torch
+
+__all__ = ["install_cpu_shims", "allow_sequence_parallel_norms", "SequenceParallelLayerNorm"]
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
+              "empty_like", "randn", "rand")
+
+
+def _cpu_device(device):
+    text = str(device) if device is not None else None
+    if text is not None and (text.startswith("cuda") or text.isdigit()):
+        return "cpu"
+    return device
+
+
+def _wrap_factory(fn):
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+    wrapper.__wrapped_cpu_shim__ = fn
+    return wrapper
+
+
+class _CpuRngTracker:
+    """Stands in for megatron's CUDA RNG tracker: names are tracked, forks change nothing
+    (the tests use no dropout, so which generator would be forked does not matter)."""
+
+    def __init__(self):
+        self.states_ = {}
+
+    def reset(self):
+        self.states_ = {}
+
+    def is_initialized(self):
+        return True
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        self.states_[name] = seed
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        yield
+
+
+def install_cpu_shims() -> None:
+    """Patch the CUDA assumptions (idempotent)."""
+    if getattr(torch, "_vshape_cpu_shims", False):
+        return
+    torch._vshape_cpu_shims = True
+    # 1. current_device: buffers allocated "on the current device" go to the CPU.
+    torch.cuda.current_device = lambda: "cpu"
+    # 2. synchronize (batched p2p) is a no-op.
+    torch.cuda.synchronize = lambda *a, **k: None
+    # 4. device="cuda" literals (token counters, causal masks) become CPU tensors.
+    for name in _FACTORIES:
+        setattr(torch, name, _wrap_factory(getattr(torch, name)))
+    # 5. Tensor.cuda (tied embeddings with PP > 1) stays on the CPU.
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    # 3. the CUDA RNG tracker (attention always forks it).
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = _CpuRngTracker()
+    mrandom.get_cuda_rng_tracker = lambda *a, **k: tracker
+    mrandom.model_parallel_cuda_manual_seed = lambda seed, *a, **k: torch.manual_seed(seed)
+    _rebind(mrandom, "get_cuda_rng_tracker")
+    _rebind(mrandom, "model_parallel_cuda_manual_seed")
+
+
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm, accepted under sequence parallel.
+
+    megatron's torch norm (WrappedTorchNorm) refuses sequence parallel; the norms that accept
+    it (apex's FusedLayerNorm, TE's) are GPU builds. This one computes the same thing and, as
+    FusedLayerNorm does, marks its parameters ``sequence_parallel`` so finalize_model_grads
+    sums their gradients over the tensor-parallel ranks (each rank saw part of the sequence).
+    """
+
+    def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                 zero_centered_gamma=False, normalization="LayerNorm"):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+def allow_sequence_parallel_norms() -> None:
+    """Build layer specs and blocks with :class:`SequenceParallelLayerNorm` (idempotent; call
+    before building specs). Both schedules of a comparison must use it."""
+    from megatron.core.models import backends
+    from megatron.core.transformer import transformer_block
+
+    backends.LNImpl = SequenceParallelLayerNorm
+    transformer_block.LayerNormImpl = SequenceParallelLayerNorm
+
+
+def _rebind(module, name):
+    """Modules that did ``from ...random import name`` hold the original: rebind them too."""
+    import sys
+
+    value = getattr(module, name)
+    for mod in list(sys.modules.values()):
+        if mod is not None and getattr(mod, "__name__", "").startswith("megatron") and \
+                hasattr(mod, name) and mod is not module:
+            setattr(mod, name, value)

@@ -1,0 +1,105 @@
+"""Adaptive re-planning in training: ``auto`` re-planned from measured costs and memory.
+
+The paper's adaptive scheduler (section 4) needs T_F, T_B, T_W, T_comm and a memory limit; the
+reference implementation never fed it measured values. Here the first ``after`` training
+iterations run a provisional schedule while every pass is timed (runtime/profile.py) and, for a
+limit in bytes, the bytes kept for backward are tracked; then every rank agrees on one set of
+costs and one bytes-per-unit figure, and ``auto`` is searched again from them::
+
+    iteration   0 .. after-1                 after ...
+    schedule    provisional (profiled)       auto(measured costs, limit)   same on every rank
+
+Every rank must end with the same schedule: data-parallel replicas issue their gradient-bucket
+reductions in W order, so different orders would mismatch collectives. Hence the measured
+values are averaged (costs) or maxed (memory) over the whole world before searching, and the
+search is deterministic.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.memory import ActivationTracker
+from ..runtime.profile import PassProfile, measure_hop_latency
+from ..schedule.costs import Costs
+from ..schedule.limits import MemoryLimit
+from ..schedule.schedule import Schedule
+from ..schedule.simulate import simulate
+
+__all__ = ["Replanner"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Replanner:
+    """When and from what ``auto`` is re-planned (one per forward-backward function)."""
+
+    after: int = 0
+    """Training iterations to profile before re-planning (0: never re-plan)."""
+    limit: MemoryLimit | None = None
+    """The memory limit; in bytes it needs the measured bytes per unit."""
+    steps: int = 0
+    """Training iterations seen so far."""
+    done: bool = False
+    activation_bytes: float | None = None
+    """Measured bytes of one unit (one microbatch's activations of one rank's layer share)."""
+    tracker: ActivationTracker | None = None
+    _peaks: list = field(default_factory=list)
+    """(this rank's measured peak bytes, its simulated peak units) per profiled iteration."""
+
+    def __post_init__(self) -> None:
+        if self.after < 0:
+            raise ValueError(f"re-plan after must be >= 0 iterations (0 = never), got {self.after}")
+
+    @property
+    def profiling(self) -> bool:
+        """Still in the profiled iterations (time passes exactly, track memory)?"""
+        return self.after > 0 and not self.done
+
+    def start_step(self, parameters) -> ActivationTracker | None:
+        """A fresh tracker for a profiled iteration when the limit is in bytes, else None."""
+        if not self.profiling or self.limit is None or not self.limit.needs_activation_bytes:
+            return None
+        self.tracker = ActivationTracker(parameters)
+        return self.tracker
+
+    def end_step(self, schedule: Schedule, rank: int) -> bool:
+        """Record a profiled iteration; True when it is time to re-plan."""
+        if not self.profiling:
+            return False
+        if self.tracker is not None:
+            units = simulate(schedule).peak_memory[rank]
+            self._peaks.append((self.tracker.peak, units))
+            self.tracker = None
+        self.steps += 1
+        return self.steps >= self.after
+
+    def measured(self, profile: PassProfile, schedule: Schedule, rank: int, pp_group, groups,
+                 spec) -> Costs:
+        """Agree on costs (and bytes per unit) over every rank (collective over the world)."""
+        local = profile.gather_costs(schedule.placement, rank, group=pp_group)
+        comm = measure_hop_latency(groups, spec.shape, spec.dtype, spec.device)
+        device = spec.device
+        values = torch.tensor(local.forward + local.backward + local.weight, dtype=torch.float64,
+                              device=device)
+        dist.all_reduce(values)
+        values /= dist.get_world_size() / dist.get_world_size(pp_group)  # mean over pipelines
+        p = schedule.ranks
+        f, b, w = (values[i * p:(i + 1) * p].tolist() for i in range(3))
+        if self._peaks:
+            per_unit = max(peak / units for peak, units in self._peaks if units > 0)
+            top = torch.tensor([per_unit], dtype=torch.float64, device=device)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            self.activation_bytes = float(top[0])
+        self.done = True
+        return Costs.build(p, f, b, w, comm=comm)
+
+    def limit_units(self, ranks: int, microbatches: int) -> float | None:
+        """The limit in units for the next search (None: no limit)."""
+        if self.limit is None:
+            return None
+        return self.limit.units(ranks, microbatches, self.activation_bytes)
