@@ -1,7 +1,9 @@
 """The ``vshape`` command. The CLI package is the only code that prints.
 
 Each module registers its own subcommands (``register(subparsers)``, each parser carrying its
-``handler``): ``schedules`` (simulate, render, export, compare, search, frontier).
+``handler``): ``demo`` (the main job: a tiny GPT on CPU under every schedule), ``schedules``
+(simulate, render, export, compare, search, frontier), ``plan`` (the planner), ``experiments``
+(grid, collect).
 """
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ import argparse
 import sys
 
 from ..schedule import ScheduleError
-from . import schedules
+from . import demo, experiments, plan, schedules
 
 __all__ = ["main", "build_parser"]
 
-_MODULES = (schedules,)
+_MODULES = (demo, schedules, plan, experiments)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -82,7 +82,8 @@ def render_png(schedule: Schedule, start, end, path: str, title: str = "") -> No
     from matplotlib.patches import Patch
 
     makespan = max(e[-1] for e in end if e)
-    fig, ax = plt.subplots(figsize=(min(24, 4 + makespan / 6), 0.45 * schedule.ranks + 1.2))
+    passes = max(len(e) for e in end)  # width by passes per rank: any time unit reads the same
+    fig, ax = plt.subplots(figsize=(min(24, 4 + passes / 4), 0.45 * schedule.ranks + 1.2))
     for r, action, s, e, chunk, colour in _boxes(schedule, start, end):
         ax.barh(r, e - s, left=s, height=0.8, color=colour, hatch="///" if chunk else None,
                 edgecolor="black" if chunk else "white", linewidth=0.6)

@@ -1,0 +1,191 @@
+"""``vshape demo``: the main job. A tiny megatron-core GPT on CPU gloo processes, every schedule.
+
+Prints one row per schedule (losses and gradients against megatron's own 1F1B, measured peak
+activation memory per rank, step time, simulated bubble) and writes each schedule's measured
+timeline as a picture, plus ``demo.json`` with the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["register"]
+
+
+def register(sub) -> None:
+    demo = sub.add_parser("demo", help="train a tiny megatron-core GPT on CPU under every schedule "
+                                       "(needs pip install -e '.[megatron]')")
+    demo.add_argument("--ranks", "-p", type=int, default=4, help="gloo processes (default 4)")
+    demo.add_argument("--microbatches", "-m", type=int, default=8, help="default 8")
+    demo.add_argument("--steps", type=int, default=4, help="training iterations (default 4)")
+    demo.add_argument("--model", help="configs/models/NAME.yaml (default: the embedded tiny GPT, "
+                                      "configs/models/tiny.yaml's shape)")
+    demo.add_argument("--schedules", default="1f1b,zb-1p,v-min,v-half,v-zb,auto",
+                      help="comma-separated (default: all; 1f1b is always run as the reference)")
+    demo.add_argument("--memory-limit", default="0.75",
+                      help="auto's limit: fraction of 1F1B (default 0.75) or bytes (2MiB)")
+    demo.add_argument("--output-dir", "-o", default="vshape-demo",
+                      help="where timelines and demo.json go (default ./vshape-demo)")
+    demo.add_argument("--json", action="store_true", help="one JSON object per schedule")
+    demo.set_defaults(handler=_demo)
+
+
+def _settings(args):
+    from ..megatron.demo import DEMO_SCHEDULES, DemoSettings
+    from ..schedule.limits import MemoryLimit
+
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
+    bad = [n for n in names if n not in DEMO_SCHEDULES]
+    if bad:
+        raise ValueError(f"--schedules: {bad} unknown; valid choices: {', '.join(DEMO_SCHEDULES)}")
+    MemoryLimit.parse(args.memory_limit, "--memory-limit")  # fail before any work
+    kwargs = dict(ranks=args.ranks, microbatches=args.microbatches, steps=args.steps,
+                  memory_limit=args.memory_limit)
+    if args.model:
+        kwargs["model"] = _tiny_from_config(args.model)
+    return DemoSettings(**kwargs), ["1f1b"] + [n for n in names if n != "1f1b"]
+
+
+def _tiny_from_config(path):
+    from ..megatron.tiny_gpt import TinyGPT
+    from ..plan.model import load_model_config
+
+    m = load_model_config(path)
+    return TinyGPT(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                   num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn,
+                   vocab_size=m.vocab_size, seq_length=m.seq_length, micro_batch_size=2)
+
+
+def _demo(args) -> int:
+    try:
+        from ..megatron.demo import run_schedules
+        from tqdm import tqdm
+    except ImportError as err:
+        raise ValueError(f"vshape demo needs torch and megatron-core: pip install -e '.[megatron]' "
+                         f"({err})") from None
+    settings, names = _settings(args)
+    with tqdm(total=len(names), desc="training under each schedule", unit="schedule",
+              disable=args.json) as progress:
+        def done(name):
+            progress.set_postfix_str(f"{name} done")
+            progress.update()
+        runs = run_schedules(settings, names, on_done=done)
+    rows = _rows(settings, runs)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pictures = _pictures(settings, runs, rows, out)
+    (out / "demo.json").write_text(json.dumps(rows, indent=1))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        _print_table(settings, rows, runs)
+        print(f"wrote {len(pictures)} timelines and demo.json to {out}/")
+    return 0 if all(r["max_loss_diff"] < 1e-5 and r["max_grad_diff"] < 1e-5 for r in rows) else 1
+
+
+def _rows(settings, runs) -> list[dict]:
+    from ..schedule import build_schedule, simulate
+
+    ref = runs["1f1b"]
+    base = max(ref.peak_bytes)
+    costs = _measured_costs(settings, runs)
+    rows = []
+    for name, run in runs.items():
+        schedule = _final_schedule(settings, name, costs)
+        rows.append({
+            "schedule": name, "final_loss": sum(run.losses[-1]) / len(run.losses[-1]),
+            "max_loss_diff": max(abs(a - b) for got, want in zip(run.losses, ref.losses)
+                                 for a, b in zip(sorted(got), sorted(want))),
+            "max_grad_diff": max((g[k] - w[k]).abs().max().item()
+                                 for g, w in zip(run.grads, ref.grads) for k in w),
+            "peak_activation_bytes": run.peak_bytes,
+            "peak_activation_vs_1f1b": max(run.peak_bytes) / base,
+            "simulated_peak_vs_1f1b": simulate(schedule).peak_memory_vs_1f1b,
+            "step_time_s": run.step_seconds,
+            "simulated_bubble": simulate(schedule, costs).bubble_rate,
+            "plans": [d for _, d in run.plans],
+        })
+    return rows
+
+
+def _measured_costs(settings, runs):
+    """Per-rank F, B, W measured under the V (auto re-planned from these)."""
+    for name in ("auto", "v-half", "v-min", "v-zb"):
+        if name in runs and runs[name].costs is not None:
+            return runs[name].costs
+    return None
+
+
+def _final_schedule(settings, name, costs):
+    """The schedule a run ended with (auto: searched again from the same measured costs)."""
+    from ..schedule import build_schedule
+    from ..schedule.limits import MemoryLimit
+
+    if name != "auto":
+        return build_schedule(name, settings.ranks, settings.microbatches)
+    limit = MemoryLimit.parse(settings.memory_limit)
+    units = limit.units(settings.ranks, settings.microbatches) if limit.fraction else None
+    return build_schedule("auto", settings.ranks, settings.microbatches, costs=costs,
+                          memory_limit=units)
+
+
+def _print_table(settings, rows, runs) -> None:
+    m = settings.model
+    print(f"tiny GPT ({m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}) on "
+          f"{settings.ranks} gloo processes (CPU), {settings.microbatches} microbatches, "
+          f"{settings.steps} SGD steps per schedule; reference: megatron-core's own 1F1B")
+    head = (f"{'schedule':<9}{'final loss':>11}{'|dloss|':>10}{'|dgrad|':>10}"
+            f"  {'peak activation KiB per rank':<30}{'vs 1F1B':>8}{'sim.':>6}{'step ms':>9}"
+            f"{'sim. bubble':>12}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        peaks = " ".join(f"{b / 1024:.0f}" for b in r["peak_activation_bytes"])
+        print(f"{r['schedule']:<9}{r['final_loss']:>11.5f}{r['max_loss_diff']:>10.1e}"
+              f"{r['max_grad_diff']:>10.1e}  {peaks:<30}{r['peak_activation_vs_1f1b']:>8.3f}"
+              f"{r['simulated_peak_vs_1f1b']:>6.2f}{1000 * r['step_time_s']:>9.1f}"
+              f"{r['simulated_bubble']:>12.3f}")
+    auto = runs.get("auto")
+    if auto is not None and auto.plans:
+        print("auto ran: " + "; then ".join(f"{d} (from iteration {i})" for i, d in auto.plans))
+    print("|dloss|, |dgrad|: largest difference from 1F1B over all steps (fp32); 'sim.': the "
+          "simulator's peak ratio; sim. bubble: simulated with the measured F, B, W")
+
+
+def _pictures(settings, runs, rows, out: Path) -> list[Path]:
+    """One timeline per schedule: measured for ours, simulated for megatron's 1F1B."""
+    from ..schedule import build_schedule, parse_action, simulate
+    from ..schedule.schedule import Schedule
+
+    written = []
+    for row, (name, run) in zip(rows, runs.items()):
+        template = build_schedule(name if name != "auto" else "v-half", settings.ranks,
+                                  settings.microbatches)
+        if run.timeline and all(run.timeline):
+            actions = tuple(tuple(parse_action(a) for a, _, _ in rank) for rank in run.timeline)
+            schedule = Schedule(name, template.placement, settings.microbatches, actions,
+                                template.memory_bound, "measured")
+            start = [[s for _, s, _ in rank] for rank in run.timeline]
+            end = [[e for _, _, e in rank] for rank in run.timeline]
+            what = "measured"
+        else:
+            result = simulate(template)
+            schedule, start, end, what = template, result.start, result.end, "simulated"
+        title = (f"{name} ({what}), p={settings.ranks} m={settings.microbatches}, peak activation "
+                 f"{row['peak_activation_vs_1f1b']:.2f} of 1F1B")
+        written.append(_draw(schedule, start, end, out / name, title))
+    return written
+
+
+def _draw(schedule, start, end, stem: Path, title: str) -> Path:
+    """PNG with matplotlib, else SVG."""
+    from ..schedule.render_image import render_png, render_svg
+
+    try:
+        render_png(schedule, start, end, str(stem.with_suffix(".png")), title)
+        return stem.with_suffix(".png")
+    except RuntimeError:  # no matplotlib
+        stem.with_suffix(".svg").write_text(render_svg(schedule, start, end, title))
+        return stem.with_suffix(".svg")

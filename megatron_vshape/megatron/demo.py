@@ -1,0 +1,241 @@
+"""The CPU demo: a tiny megatron-core GPT trained on gloo processes under every schedule.
+
+What a user should see before spending GPU hours: the V schedules train the *same* model to
+the *same* losses and gradients as megatron's own 1F1B, with less activation memory (V-Min,
+V-Half) or fewer bubbles (V-ZB), and ``auto`` re-planning itself from measured costs. One
+spawned world runs the schedules in turn (:func:`run_schedules`); the CLI (``vshape demo``)
+prints the table and draws the timelines.
+
+Every rank builds the model with :mod:`.tiny_gpt` (weights by global name, data by step), so
+1F1B and the V placements start from identical weights; plain SGD steps keep later iterations
+comparable too.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from .tiny_gpt import TinyGPT
+
+__all__ = ["DemoSettings", "ScheduleRun", "run_schedules", "DEMO_SCHEDULES"]
+
+DEMO_SCHEDULES = ("1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto")
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """The embedded default: 4 ranks, 8 microbatches, configs/models/tiny.yaml's shape."""
+
+    ranks: int = 4
+    microbatches: int = 8
+    steps: int = 4
+    """Training iterations per schedule (auto profiles the first, then re-plans)."""
+    model: TinyGPT = field(default_factory=lambda: TinyGPT(
+        num_layers=8, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+        vocab_size=256, seq_length=32, micro_batch_size=2))
+    tied: bool = True
+    memory_limit: str = "0.75"
+    """auto's limit: a fraction of 1F1B's activation memory, or bytes ("2MiB")."""
+    timeout: float = 120.0
+    """Seconds any point-to-point wait may take."""
+
+    def __post_init__(self) -> None:
+        if self.ranks < 2:
+            raise ValueError(f"--ranks must be >= 2 (a pipeline), got {self.ranks}")
+        if self.microbatches < 1 or self.steps < 1:
+            raise ValueError("--microbatches and --steps must be >= 1, got "
+                             f"{self.microbatches} and {self.steps}")
+        if self.model.num_layers < 2 * self.ranks:
+            raise ValueError(f"the model has {self.model.num_layers} layers; a V on "
+                             f"{self.ranks} ranks needs >= {2 * self.ranks}: lower --ranks")
+
+
+@dataclass
+class ScheduleRun:
+    """One schedule's results, merged over ranks."""
+
+    schedule: str
+    losses: list
+    """Per step, the microbatch losses (where the loss is computed)."""
+    grads: list
+    """Per step, {global parameter name: gradient} over all ranks."""
+    peak_bytes: list
+    """Per rank: the peak bytes kept for backward over the steps."""
+    step_seconds: float
+    """Median over the steps after the first, slowest rank."""
+    timeline: list = field(default_factory=list)
+    """Per rank: (action, start, end) of the last step's passes, seconds (measured)."""
+    plans: list = field(default_factory=list)
+    """auto: (iterations before, schedule description) of each plan."""
+    costs: object = None
+    """Measured F, B, W per rank (schedule.Costs) where the schedule splits B and W."""
+
+
+def run_schedules(settings: DemoSettings, schedules, on_done=None) -> dict[str, ScheduleRun]:
+    """Train ``settings.steps`` iterations under each schedule, one after the other, on one
+    world of local gloo processes (spawning costs seconds, so the schedules share it).
+    ``on_done(name)`` is called as each schedule finishes (progress)."""
+    import threading
+
+    import torch.multiprocessing as mp
+
+    from ..runtime.launch import run_gloo
+
+    done = mp.get_context("spawn").Queue()
+    watcher = threading.Thread(target=_report, args=(done, on_done, len(schedules)), daemon=True)
+    watcher.start()
+    outcomes = run_gloo(_worker, settings.ranks, settings, tuple(schedules), done, timeout=1800)
+    done.put(None)
+    watcher.join(timeout=5)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        raise RuntimeError(f"rank {failed[0].rank} failed: {failed[0].error}")
+    return {name: _merge(name, [o.value[name] for o in outcomes]) for name in schedules}
+
+
+def _report(done, on_done, count: int) -> None:
+    for _ in range(count):
+        name = done.get()
+        if name is None:
+            return
+        if on_done is not None:
+            on_done(name)
+
+
+def _merge(schedule: str, values: list) -> ScheduleRun:
+    steps = len(values[0]["losses"])
+    grads = []
+    for s in range(steps):
+        merged = {}
+        for v in values:
+            merged.update(v["grads"][s])
+        grads.append(merged)
+    seconds = [max(v["seconds"][s] for v in values) for s in range(steps)]
+    return ScheduleRun(
+        schedule=schedule,
+        losses=[[x for v in values for x in v["losses"][s]] for s in range(steps)],
+        grads=grads, peak_bytes=[v["peak"] for v in values],
+        step_seconds=statistics.median(seconds[1:] or seconds),
+        timeline=[_aligned(v["timeline"], min(x["started"] for x in values)) for v in values],
+        plans=values[0]["plans"], costs=values[0]["costs"])
+
+
+def _aligned(timeline, origin):
+    """Rank timelines share perf_counter's clock (one machine): shift to a common origin."""
+    if not timeline:
+        return []
+    started, passes = timeline
+    return [(action, started - origin + s, started - origin + e) for action, s, e in passes]
+
+
+# -- in every spawned rank ---------------------------------------------------------------------
+def _worker(rank: int, world: int, settings: DemoSettings, schedules, done) -> dict:
+    from .cpu import install_cpu_shims
+
+    install_cpu_shims()
+    out = {}
+    for schedule in schedules:
+        chunks, fb = _build(settings, schedule)
+        out[schedule] = _train(settings, chunks, fb)
+        if rank == 0:
+            done.put(schedule)
+    return out
+
+
+def _build(settings: DemoSettings, schedule: str):
+    """This rank's chunks (placement of ``schedule``) and its forward-backward function."""
+    import megatron.core.models.gpt  # noqa: F401  (before the shims rebind megatron's RNG)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from .forward_backward import VShapeForwardBackward
+    from .model import build_v_chunks, v_embedding_ranks
+    from .tiny_gpt import init_by_name
+    from .wgrad import defer_weight_grads
+    from ..runtime.wgrad import WeightGradStore
+
+    two_chunks = schedule not in ("1f1b", "zb-1p")
+    kwargs = {"get_embedding_ranks": v_embedding_ranks} if two_chunks else {}
+    ps.initialize_model_parallel(pipeline_model_parallel_size=settings.ranks, **kwargs)
+    model_parallel_cuda_manual_seed(123)
+    config = settings.model.transformer_config(settings.ranks)
+    provider = settings.model.provider(settings.tied)
+    r, p = ps.get_pipeline_model_parallel_rank(), settings.ranks
+    if two_chunks:
+        chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
+    else:
+        chunks = [provider(config=config, pre_process=r == 0, post_process=r == p - 1)]
+        if schedule == "zb-1p":
+            defer_weight_grads(chunks[0], WeightGradStore())
+    init_by_name(chunks, settings.tied)
+    if schedule == "1f1b":
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return chunks, get_forward_backward_func()
+    auto = schedule == "auto"
+    return chunks, VShapeForwardBackward(
+        schedule, timeout=settings.timeout, memory_limit=settings.memory_limit if auto else None,
+        replan_after=1 if auto else 0)
+
+
+def _train(settings: DemoSettings, chunks, fb) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from ..runtime.memory import ActivationTracker
+    from .tiny_gpt import batches, forward_step, global_grads
+    from .wgrad import store_of
+
+    tracker = ActivationTracker([p for c in chunks for p in c.parameters()])
+    for store in (store_of(c) for c in chunks):
+        store.tracker = tracker
+    out = {"losses": [], "grads": [], "seconds": [], "peak": 0}
+    for step in range(settings.steps):
+        for p in (p for c in chunks for p in c.parameters()):
+            p.grad = None
+        data = [iter(batches(settings.model, settings.microbatches, step)) for _ in chunks]
+        tracker.reset_peak()
+        dist.barrier()
+        begin = time.perf_counter()
+        with tracker.saved_tensors_hooks():
+            losses = fb(forward_step_func=forward_step,
+                        data_iterator=data if len(chunks) > 1 else data[0], model=chunks,
+                        num_microbatches=settings.microbatches,
+                        seq_length=settings.model.seq_length,
+                        micro_batch_size=settings.model.micro_batch_size)
+        out["seconds"].append(time.perf_counter() - begin)
+        if settings.tied and len(chunks) == 1:
+            _sum_tied_grads_1f1b(chunks[0])
+        out["losses"].append([d["lm loss"].item() for d in losses])
+        out["grads"].append(global_grads(chunks))
+        out["peak"] = max(out["peak"], tracker.peak)
+        with torch.no_grad():  # plain SGD, so later iterations check updated weights too
+            for p in (p for c in chunks for p in c.parameters() if p.grad is not None):
+                p -= 0.01 * p.grad
+    out.update(_schedule_facts(fb, settings))
+    ps.destroy_model_parallel()
+    return out
+
+
+def _schedule_facts(fb, settings: DemoSettings) -> dict:
+    """Timeline of the last step, plans and measured costs (our schedules only)."""
+    step = getattr(fb, "last_step", None)
+    if step is None:
+        return {"timeline": [], "plans": [], "costs": None, "started": 0.0}
+    timeline = [(str(a), s, e) for a, s, e in step.timeline]
+    costs = fb.measured_costs(settings.microbatches)
+    return {"timeline": (step.started, timeline), "plans": list(fb.plans), "costs": costs,
+            "started": step.started}
+
+
+def _sum_tied_grads_1f1b(model) -> None:
+    """What megatron's finalize_model_grads does for tied embeddings (it needs DDP-wrapped
+    chunks, which this plain run is not): sum the first and last rank's gradients."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.is_rank_in_embedding_group():
+        dist.all_reduce(model.shared_embedding_or_output_weight().grad,
+                        group=ps.get_embedding_group())
