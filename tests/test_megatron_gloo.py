@@ -250,3 +250,35 @@ def test_auto_under_a_byte_limit_measures_its_unit_then_replans():
         got = {k: g for v in values for k, g in v["auto"][step]["grads"].items()}
         assert set(got) == set(ref)
         assert max((got[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2_megatron_lm():
+    """scripts/pretrain_gpt_vshape.py's pieces driven on megatron-core: chunks from
+    VChunkProvider called once per vp stage (as Megatron-LM's get_model does), the V's batch
+    read on pipeline rank 0 and broadcast over TP (VBatch), the forward step with pretrain_gpt's
+    per-token loss (VForwardStep), DDP with overlap and align_grad_reduce, losses relayed."""
+    options = {"megatron_lm": True, "per_token": True, "relay": True, "timers": True,
+               "align_grad_reduce": True}
+    return _compare(4, 4, tied=True, tp=2, ddp={"overlap_grad_reduce": True}, options=options,
+                    schedules=("v-half", "v-zb"), raw=True)
+
+
+@pytest.mark.parametrize("name", ["v-half", "v-zb"])
+def test_megatron_lm_entry_pieces_equal_megatrons_1f1b(name, pp2_tp2_megatron_lm):
+    values = pp2_tp2_megatron_lm
+    for step in range(STEPS):
+        ref = [v["1f1b"][step] for v in values]
+        got = [v[name][step] for v in values]
+        assert [bool(r["losses"]) for r in got] == [r["pp_rank"] == 1 for r in got]
+        ref_losses = sorted(x for r in ref for x in r["losses"])
+        got_losses = sorted(x for r in got for x in r["losses"])
+        assert len(got_losses) == len(ref_losses) == 8  # 4 microbatches x 2 TP ranks
+        assert max(abs(a - b) for a, b in zip(got_losses, ref_losses)) < 1e-5
+        ref_grads = {k: g for r in ref for k, g in r["grads"].items()}
+        got_grads = {k: g for r in got for k, g in r["grads"].items()}
+        assert set(got_grads) == set(ref_grads)
+        for key, grad in got_grads.items():
+            assert (grad - ref_grads[key]).abs().max().item() < 1e-5, key
+        assert all(r["w_ran"] > 0 for r in got)
+        assert all(r["timers"].get("batch-generator", 0) > 0 for r in got if r["pp_rank"] == 0)

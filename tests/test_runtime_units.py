@@ -194,3 +194,16 @@ def test_pass_profile_takes_medians_and_sums_a_ranks_chunks():
     empty.add([(Action(PassKind.BW, 0, 0), 0.0, 1.0)])
     with pytest.raises(ValueError, match="B/W split"):
         empty.rank_costs()
+
+
+def test_wire_device_stages_messages_through_host_memory():
+    """gloo cannot move CUDA tensors: TensorSpec.wire = "cpu" makes buffers and sends live on
+    the host (what VShapeForwardBackward picks for gloo with CUDA); without it, on the device."""
+    staged = TensorSpec((2, 3), torch.float32, device="meta", wire="cpu")
+    direct = TensorSpec((2, 3), torch.float32, device="meta")
+    assert staged.wire_device == "cpu" and direct.wire_device == "meta"
+    transport = Transport.__new__(Transport)  # no groups needed to allocate receive buffers
+    transport.spec = staged
+    assert transport._empty((2, 3)).device.type == "cpu"
+    transport.spec = direct
+    assert transport._empty((2, 3)).device.type == "meta"

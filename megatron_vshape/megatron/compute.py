@@ -43,7 +43,9 @@ class MegatronStages:
         self.first_val_step = first_val_step if forward_only else None
         self.stores = list(stores) if stores is not None else [store_of(c) for c in chunks]
         self.forward_data_store: list = []
-        self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        self.total_num_tokens = torch.zeros(  # where the loss's token counts live
+            [], dtype=torch.int, device=torch.cuda.current_device() if torch.cuda.is_available()
+            else "cpu")
         self._chunk_of = {schedule.placement.stage_of(rank, c): c for c in range(len(chunks))}
         self._last_backward = _last_pass_per_chunk(schedule, rank, self._chunk_of,
                                                    (PassKind.B, PassKind.BW))

@@ -203,9 +203,11 @@ class VShapeForwardBackward:
                 raise ValueError("adjust_tensor_shapes_fn must keep one shape, the same for "
                                  f"sends and receives, under V schedules; got {recv}, {send}")
             shapes = recv
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = _device()
+        staged = device != "cpu" and torch.distributed.get_backend(pg.pp) == "gloo"
         return TensorSpec(tuple(shapes[0]), config.pipeline_dtype or torch.float32, device,
-                          variable=bool(config.variable_seq_lengths))
+                          variable=bool(config.variable_seq_lengths),
+                          wire="cpu" if staged else None)
 
 
 def _config_and_groups(chunks, pg_collection):

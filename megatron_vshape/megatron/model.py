@@ -25,8 +25,9 @@ from ..runtime.wgrad import WeightGradStore
 from .layers import patch_layer_placement, stage_layers, with_stage_layers
 from .wgrad import defer_weight_grads, with_te_delay_wgrad
 
-__all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "tie_embeddings",
-           "sum_tied_embedding_grads", "check_v_config"]
+__all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "build_v_chunk",
+           "v_chunk_config", "finish_v_chunks", "tie_embeddings", "sum_tied_embedding_grads",
+           "check_v_config"]
 
 
 class MirroredGroup:
@@ -70,6 +71,49 @@ def check_v_config(config, pp_size: int) -> None:
                          "rank 0's chunks (embedding and LM head) get fewer layers")
 
 
+def v_chunk_config(config, pp_size: int, te_delay_wgrad: bool = False):
+    """A copy of ``config`` for building V chunks (``config`` itself is not modified): two chunks
+    per rank (virtual_pipeline_model_parallel_size = 2, which megatron needs to place them),
+    the V's stage layer counts when they are uneven, TE's delayed weight gradients if asked."""
+    check_v_config(config, pp_size)
+    config = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
+    if config.num_layers % (2 * pp_size):
+        patch_layer_placement()
+        config = with_stage_layers(config, pp_size)
+    if te_delay_wgrad:
+        config = with_te_delay_wgrad(config)
+    return config
+
+
+def build_v_chunk(model_provider: Callable[..., torch.nn.Module], config, vp_stage: int,
+                  pg_collection=None) -> torch.nn.Module:
+    """One V chunk of this rank: chunk 0 is stage r (pre_process on rank 0), chunk 1 is stage
+    2p-1-r (post_process on rank 0), built with the mirrored pipeline group (module doc).
+    ``config`` comes from :func:`v_chunk_config`."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    base = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    first = base.pp.rank() == 0
+    if vp_stage == 0:
+        return model_provider(config=config, pre_process=first, post_process=False, vp_stage=0,
+                              pg_collection=base)
+    mirrored = copy.copy(base)
+    mirrored.pp = MirroredGroup(base.pp)
+    return model_provider(config=config, pre_process=False, post_process=first, vp_stage=1,
+                          pg_collection=mirrored)
+
+
+def finish_v_chunks(chunk0, chunk1, defer_wgrad: bool = True, ddp_delay_wgrad: bool = False):
+    """After building both chunks: tie the embeddings on rank 0 and route the parallel
+    linears' weight gradients through a W store per chunk (:mod:`.wgrad`)."""
+    if getattr(chunk1, "post_process", False) and \
+            getattr(chunk1, "share_embeddings_and_output_weights", False):
+        tie_embeddings(chunk0, chunk1)
+    if defer_wgrad:
+        for chunk in (chunk0, chunk1):
+            defer_weight_grads(chunk, WeightGradStore(), mark_for_ddp=ddp_delay_wgrad)
+
+
 def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_group,
                    pg_collection=None, defer_wgrad: bool = True,
                    ddp_delay_wgrad: bool = False, te_delay_wgrad: bool = False
@@ -77,35 +121,15 @@ def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_gr
     """Build this rank's two V chunks with ``model_provider(config=, pre_process=,
     post_process=, vp_stage=, pg_collection=)`` (e.g. a ``functools.partial`` of GPTModel).
 
-    ``config`` is not modified: the chunks get a copy with virtual_pipeline_model_parallel_size
-    = 2, which megatron needs to place two chunks per rank. With ``defer_wgrad`` each chunk's
+    ``config`` is not modified (see :func:`v_chunk_config`). With ``defer_wgrad`` each chunk's
     parallel linears compute weight gradients in W (:mod:`.wgrad`); set ``ddp_delay_wgrad``
     when the chunks will be wrapped in DDP with delay_wgrad_compute=True. With a Transformer
     Engine layer spec (GPU) set ``te_delay_wgrad``: TE's own split (``backward_dw``) runs in W.
     """
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    p, r = pp_group.size(), pp_group.rank()
-    check_v_config(config, p)
-    config = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
-    if config.num_layers % (2 * p):
-        patch_layer_placement()
-        config = with_stage_layers(config, p)
-    if te_delay_wgrad:
-        config = with_te_delay_wgrad(config)
-    base = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
-    mirrored = copy.copy(base)
-    mirrored.pp = MirroredGroup(base.pp)
-    chunk0 = model_provider(config=config, pre_process=r == 0, post_process=False, vp_stage=0,
-                            pg_collection=base)
-    chunk1 = model_provider(config=config, pre_process=False, post_process=r == 0, vp_stage=1,
-                            pg_collection=mirrored)
-    if r == 0 and getattr(chunk1, "share_embeddings_and_output_weights", False):
-        tie_embeddings(chunk0, chunk1)
-    if defer_wgrad:
-        for chunk in (chunk0, chunk1):
-            defer_weight_grads(chunk, WeightGradStore(), mark_for_ddp=ddp_delay_wgrad)
-    return [chunk0, chunk1]
+    config = v_chunk_config(config, pp_group.size(), te_delay_wgrad)
+    chunks = [build_v_chunk(model_provider, config, v, pg_collection) for v in (0, 1)]
+    finish_v_chunks(*chunks, defer_wgrad=defer_wgrad, ddp_delay_wgrad=ddp_delay_wgrad)
+    return chunks
 
 
 def tie_embeddings(chunk0, chunk1) -> None:

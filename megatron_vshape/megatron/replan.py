@@ -82,7 +82,7 @@ class Replanner:
                  spec) -> Costs:
         """Agree on costs (and bytes per unit) over every rank (collective over the world)."""
         local = profile.gather_costs(schedule.placement, rank, group=pp_group)
-        comm = measure_hop_latency(groups, spec.shape, spec.dtype, spec.device)
+        comm = measure_hop_latency(groups, spec.shape, spec.dtype, spec.wire_device)
         device = spec.device
         values = torch.tensor(local.forward + local.backward + local.weight, dtype=torch.float64,
                               device=device)

@@ -8,6 +8,10 @@ expires, or the peer dies, :class:`P2PError` names the rank, step, action and pe
 With ``TensorSpec.variable`` the sender first sends a small shape header on the same stream
 (stream messages are first-in first-out, so header and payload stay paired), and the receiver
 allocates the payload buffer once the header has arrived.
+
+gloo cannot send or receive CUDA tensors; with ``TensorSpec.wire = "cpu"`` messages travel
+through host memory (several ranks sharing one GPU over gloo, e.g. to debug a pipeline on a
+single-GPU machine). NCCL moves device tensors directly and needs no wire device.
 """
 from __future__ import annotations
 
@@ -41,9 +45,16 @@ class TensorSpec:
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
     variable: bool = False
+    wire: torch.device | str | None = None
+    """Where messages travel when the backend cannot move ``device`` tensors (gloo: "cpu");
+    None: they travel as they are."""
 
     def shape_of(self, boundary: int, microbatch: int) -> tuple:
         return tuple(self.shape(boundary, microbatch) if callable(self.shape) else self.shape)
+
+    @property
+    def wire_device(self) -> torch.device | str:
+        return self.device if self.wire is None else self.wire
 
 
 class P2PError(RuntimeError):
@@ -82,7 +93,8 @@ class Transport:
             return
         posted = _Posted(route)
         if self.spec.variable:
-            posted.header = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=self.spec.device)
+            posted.header = torch.empty(_MAX_DIMS + 1, dtype=torch.int64,
+                                        device=self.spec.wire_device)
             posted.header_work = self._irecv(posted.header, route)
         else:
             posted.buffer = self._empty(self.spec.shape_of(route.stream[1], route.message[2]))
@@ -103,12 +115,14 @@ class Transport:
         end = time.perf_counter()
         # gloo marks a receive completed only inside wait(), so ask the clock instead.
         self.last_arrival = end if end - begin > _BLOCKED_S else None
-        return posted.buffer
+        return posted.buffer if self.spec.wire is None else posted.buffer.to(self.spec.device)
 
     # -- sends ----------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, route: Route, action: Action) -> None:
         """Post an asynchronous send; the tensor is kept alive until :meth:`finish_sends`."""
         tensor = tensor.detach().contiguous()
+        if self.spec.wire is not None:
+            tensor = tensor.to(self.spec.wire)
         if self.spec.variable:
             if tensor.dim() > _MAX_DIMS:
                 raise ValueError(f"variable-shape p2p supports up to {_MAX_DIMS} dims, got "
@@ -132,7 +146,7 @@ class Transport:
 
     # -- helpers --------------------------------------------------------------------------
     def _empty(self, shape: tuple) -> torch.Tensor:
-        return torch.empty(shape, dtype=self.spec.dtype, device=self.spec.device)
+        return torch.empty(shape, dtype=self.spec.dtype, device=self.spec.wire_device)
 
     def _irecv(self, tensor: torch.Tensor, route: Route):
         src = self.groups.global_rank(route.peer)
@@ -149,7 +163,7 @@ class Transport:
             kind, producer, mb = route.message
             raise P2PError(
                 f"{where}: {kind} of stage {producer}, microbatch {mb}, with peer pipeline rank "
-                f"{route.peer} (global rank {self.groups.global_rank(route.peer)}) did not "
-                f"complete within {self.timeout.total_seconds():g} s: {err}. The peer has "
-                "crashed, hangs, or runs a different schedule; check its log."
+                f"{route.peer} (global rank {self.groups.global_rank(route.peer)}) failed or "
+                f"did not complete within {self.timeout.total_seconds():g} s: {err}. The peer "
+                "has crashed, hangs, or runs a different schedule; check its log."
             ) from err

@@ -145,6 +145,11 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
         r = ps.get_pipeline_model_parallel_rank()
         chunks = [provider(config=config, pre_process=r == 0, post_process=r == world - 1)]
         defer_weight_grads(chunks[0], WeightGradStore(), mark_for_ddp=ddp is not None)
+    elif options.get("megatron_lm"):  # as Megatron-LM's get_model calls it: once per vp stage
+        from megatron_vshape.megatron.megatron_lm import VChunkProvider
+
+        v_provider = VChunkProvider(provider, lambda: config)
+        chunks = [v_provider(pre_process=True, post_process=True, vp_stage=v) for v in (0, 1)]
     else:
         chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group(),
                                 ddp_delay_wgrad=ddp is not None)
@@ -223,6 +228,11 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False, options=N
     options = options or {}
     config, synced = _install_loop_hooks(chunks, options)
     step_func = partial(tiny_gpt.forward_step, per_token=bool(options.get("per_token")))
+    if options.get("megatron_lm") and len(chunks) == 2:  # the V batch: rank 0, TP broadcast
+        from megatron_vshape.megatron.megatron_lm import VBatch, VForwardStep
+
+        loss = tiny_gpt._per_token_loss if options.get("per_token") else tiny_gpt._mean_loss
+        step_func = VForwardStep(VBatch(SEQ, MBS), loss, timers=config.timers)
 
     tracker = ActivationTracker([p for c in chunks for p in c.parameters()] +
                                 [b for c in chunks for b in _grad_buffers(c)])

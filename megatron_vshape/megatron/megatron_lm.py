@@ -1,0 +1,327 @@
+"""Megatron-LM (tag core_v0.16.1) glue: the flags, their checks, and a V-aware model provider,
+batch and forward step for ``scripts/pretrain_gpt_vshape.py``.
+
+Nothing here imports ``megatron.training`` at module level: the parts that can be tested on
+CPU (arguments, provider, batch, forward step) take plain values, and :func:`patch_megatron_lm`
+(the only function that needs Megatron-LM) makes the three changes the plugin cannot make
+through pretrain()'s arguments::
+
+    validate_args        our checks first (clear errors naming flags), then Megatron-LM's with
+                         the V's uneven layer count hidden from its "num_layers % PP" check,
+                         then two chunks per rank (virtual_pipeline_model_parallel_size = 2)
+    DistributedDataParallelConfig
+                         delay_wgrad_compute=True, so DDP's hooks wait for W (the model's own
+                         TransformerConfig must not get it: megatron allows it for MoE only)
+    get_forward_backward_func
+                         megatron_vshape.install(): our schedules, losses relayed to the last
+                         pipeline rank where Megatron-LM's loop logs them
+
+Under a V, pipeline rank 0 holds both ends of the model (embedding and LM head), so it needs
+the tokens *and* the labels of every microbatch; the other ranks read no data.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from ..schedule.limits import MemoryLimit
+from ..schedule.registry import SCHEDULES
+from .install import OURS, VShapeConfig
+
+__all__ = ["V_SCHEDULES", "add_arguments", "check_arguments", "vshape_config", "VChunkProvider",
+           "VBatch", "VForwardStep", "patch_megatron_lm", "is_v_dataset_rank"]
+
+log = logging.getLogger(__name__)
+
+V_SCHEDULES = ("v-min", "v-half", "v-zb", "auto")
+"""Schedules that place two chunks per rank on the V."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: the plugin's flags."""
+    group = parser.add_argument_group("megatron-vshape", "pipeline schedules (arXiv 2405.15362)")
+    group.add_argument("--pipeline-schedule", default="1f1b", choices=SCHEDULES,
+                       help="1f1b and interleaved-1f1b are megatron's own; zb-1p, v-min, v-half, "
+                            "v-zb and auto (fastest under --pipeline-memory-limit) the plugin's")
+    group.add_argument("--pipeline-memory-limit", default=None,
+                       help="auto: peak activation memory per GPU, a fraction of 1F1B's (0.5) "
+                            "or bytes (40GiB)")
+    group.add_argument("--pipeline-replan-after", type=int, default=3,
+                       help="auto: profile this many iterations, then re-plan from the measured "
+                            "costs and memory (0: never; default 3)")
+    group.add_argument("--pipeline-p2p-timeout", type=float, default=600.0,
+                       help="seconds a pipeline send/receive may wait before failing with rank, "
+                            "step and action (default 600)")
+    return parser
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """A flag combination the V cannot run: when it applies and what to tell the user."""
+
+    applies: Callable[[Any], bool]
+    message: str
+
+
+_V_REFUSALS = (
+    _Refusal(lambda a: a.pipeline_model_parallel_size < 2,
+             "needs --pipeline-model-parallel-size >= 2 (there is no pipeline); use "
+             "--pipeline-schedule 1f1b"),
+    _Refusal(lambda a: (a.num_layers or 0) < 2 * a.pipeline_model_parallel_size,
+             "places 2 stages on each rank: --num-layers must be >= 2 x "
+             "--pipeline-model-parallel-size"),
+    _Refusal(lambda a: a.num_layers_per_virtual_pipeline_stage is not None
+             or a.num_virtual_stages_per_pipeline_rank is not None,
+             "places two chunks per rank itself: drop --num-layers-per-virtual-pipeline-stage / "
+             "--num-virtual-stages-per-pipeline-rank (they select interleaved-1f1b)"),
+    _Refusal(lambda a: a.pipeline_model_parallel_layout is not None,
+             "cannot be expressed by --pipeline-model-parallel-layout (stage s lives on rank "
+             "s %% p there): drop it"),
+    _Refusal(lambda a: a.decoder_first_pipeline_num_layers is not None
+             or a.decoder_last_pipeline_num_layers is not None
+             or a.account_for_embedding_in_pipeline_split or a.account_for_loss_in_pipeline_split,
+             "balances rank 0 (embedding and LM head) by giving it fewer layers when --num-layers "
+             "is not a multiple of 2 x PP (the paper: num_layers = k x PP - 2): drop "
+             "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split"),
+    _Refusal(lambda a: bool(getattr(a, "num_experts", None)),
+             "does not support MoE (--num-experts) yet: use --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: bool(getattr(a, "mtp_num_layers", None)),
+             "does not support multi-token prediction (--mtp-num-layers) yet"),
+    _Refusal(lambda a: getattr(a, "context_parallel_size", 1) > 1,
+             "is not tested with context parallelism: use --context-parallel-size 1"),
+    _Refusal(lambda a: getattr(a, "use_legacy_models", False),
+             "runs megatron-core models only: drop --use-legacy-models"),
+    _Refusal(lambda a: getattr(a, "use_torch_fsdp2", False) or getattr(a, "use_megatron_fsdp", False),
+             "needs megatron's DistributedDataParallel: drop --use-torch-fsdp2 / "
+             "--use-megatron-fsdp"),
+    _Refusal(lambda a: getattr(a, "delay_wgrad_compute", False),
+             "splits B and W itself (--delay-wgrad-compute is megatron's MoE overlap): drop it"),
+)
+
+
+def check_arguments(args) -> None:
+    """Refuse bad flag combinations at argument parsing, naming the flag and what to change."""
+    name = args.pipeline_schedule
+    if name not in SCHEDULES:
+        raise ValueError(f"--pipeline-schedule {name!r} is unknown; valid choices: "
+                         f"{', '.join(SCHEDULES)}")
+    vp = (args.num_layers_per_virtual_pipeline_stage is not None
+          or args.num_virtual_stages_per_pipeline_rank is not None
+          or args.pipeline_model_parallel_layout is not None)
+    if name == "interleaved-1f1b" and not vp:
+        raise ValueError("--pipeline-schedule interleaved-1f1b needs "
+                         "--num-virtual-stages-per-pipeline-rank (e.g. 2)")
+    if name in ("1f1b", "zb-1p") and vp and args.num_virtual_stages_per_pipeline_rank != 1:
+        raise ValueError(f"--pipeline-schedule {name} runs one chunk per rank; with virtual "
+                         "pipeline stages use --pipeline-schedule interleaved-1f1b")
+    if name == "zb-1p" and args.pipeline_model_parallel_size < 2:
+        raise ValueError("--pipeline-schedule zb-1p needs --pipeline-model-parallel-size >= 2")
+    if name in V_SCHEDULES:
+        for refusal in _V_REFUSALS:
+            if refusal.applies(args):
+                raise ValueError(f"--pipeline-schedule {name} " + refusal.message.replace("%%", "%"))
+    if args.pipeline_memory_limit is not None:
+        if name != "auto":
+            raise ValueError("--pipeline-memory-limit applies to --pipeline-schedule auto only "
+                             f"(got {name}); fixed schedules have fixed memory")
+        MemoryLimit.parse(args.pipeline_memory_limit, "--pipeline-memory-limit")
+    if args.pipeline_replan_after < 0:
+        raise ValueError(f"--pipeline-replan-after must be >= 0 (0 = never), got "
+                         f"{args.pipeline_replan_after}")
+    if args.pipeline_p2p_timeout <= 0:
+        raise ValueError(f"--pipeline-p2p-timeout must be > 0 seconds, got "
+                         f"{args.pipeline_p2p_timeout}")
+
+
+def vshape_config(args) -> VShapeConfig:
+    """The plugin's configuration from checked arguments."""
+    auto = args.pipeline_schedule == "auto"
+    return VShapeConfig(schedule=args.pipeline_schedule,
+                        memory_limit=args.pipeline_memory_limit if auto else None,
+                        replan_after=args.pipeline_replan_after if auto else 0,
+                        losses_on_last_rank=True, timeout=args.pipeline_p2p_timeout)
+
+
+# -- model ---------------------------------------------------------------------------------------
+class VChunkProvider:
+    """Megatron-LM's ``model_provider`` for the V: get_model calls it once per vp stage with
+    pre/post flags for megatron's loop order, which are wrong for a V; this builds chunk
+    ``vp_stage`` of the V instead (model.build_v_chunk) and, with chunk 1, ties the embeddings
+    and defers the weight gradients of both chunks (DDP with delay_wgrad_compute wraps them).
+
+    ``base(pre_process=, post_process=, vp_stage=, config=, pg_collection=)`` builds one GPT
+    chunk (Megatron-LM's ``partial(model_provider, gpt_builder)``); ``config_factory()`` gives
+    the TransformerConfig (``core_transformer_config_from_args(get_args())``).
+    """
+
+    def __init__(self, base: Callable, config_factory: Callable, te_delay_wgrad: bool = False):
+        self.base = base
+        self.config_factory = config_factory
+        self.te_delay_wgrad = te_delay_wgrad
+        self._chunk0 = None
+
+    def __call__(self, pre_process=True, post_process=True, vp_stage=None, config=None,
+                 pg_collection=None):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from .model import build_v_chunk, finish_v_chunks, v_chunk_config
+
+        if vp_stage not in (0, 1):
+            raise ValueError(f"a V chunk is vp stage 0 or 1, got {vp_stage!r}: V schedules need "
+                             "virtual_pipeline_model_parallel_size = 2 (patch_megatron_lm)")
+        pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+        config = v_chunk_config(config or self.config_factory(), pg.pp.size(),
+                                self.te_delay_wgrad)
+        chunk = build_v_chunk(self._base_provider, config, vp_stage, pg)
+        if vp_stage == 0:
+            self._chunk0 = chunk
+        else:
+            finish_v_chunks(self._chunk0, chunk, ddp_delay_wgrad=True)
+            self._chunk0 = None
+        return chunk
+
+    def _base_provider(self, config, pre_process, post_process, vp_stage, pg_collection):
+        return self.base(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                         config=config, pg_collection=pg_collection)
+
+
+def deferred_standard_provider(base: Callable) -> Callable:
+    """zb-1p: megatron's own placement, weight gradients deferred to W."""
+    from ..runtime.wgrad import WeightGradStore
+    from .wgrad import defer_weight_grads
+
+    def provider(*args, **kwargs):
+        model = base(*args, **kwargs)
+        defer_weight_grads(model, WeightGradStore(), mark_for_ddp=True)
+        return model
+    return provider
+
+
+# -- data ----------------------------------------------------------------------------------------
+def is_v_dataset_rank() -> bool:
+    """Under a V only pipeline rank 0 (both ends of the model) reads data, on TP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+
+
+@dataclass(frozen=True)
+class VBatch:
+    """One microbatch on pipeline rank 0, broadcast over the tensor-parallel group (as
+    Megatron-LM's get_batch_on_this_tp_rank does for its first and last stages together)."""
+
+    seq_length: int
+    micro_batch_size: int
+    attention_mask: bool = False
+    """Whether the data loader makes attention masks (--create-attention-mask-in-dataloader)."""
+
+    _KEYS = (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32),
+             ("position_ids", torch.int64))
+
+    def __call__(self, data_iterator):
+        """(tokens, labels, loss_mask, attention_mask, position_ids); Nones off rank 0."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_rank() != 0:
+            return None, None, None, None, None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        shape = (self.micro_batch_size, self.seq_length)
+        keys = list(self._KEYS) + ([("attention_mask", torch.bool)] if self.attention_mask else [])
+        if ps.get_tensor_model_parallel_rank() == 0:
+            data = next(data_iterator)
+            batch = {k: data[k].to(device, non_blocking=True) for k, _ in keys}
+        else:
+            batch = {k: torch.empty(shape if k != "attention_mask" else
+                                    (shape[0], 1, shape[1], shape[1]), dtype=dtype, device=device)
+                     for k, dtype in keys}
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            for key, _ in keys:
+                torch.distributed.broadcast(batch[key], ps.get_tensor_model_parallel_src_rank(),
+                                            group=ps.get_tensor_model_parallel_group())
+        return (batch["tokens"], batch["labels"], batch["loss_mask"],
+                batch.get("attention_mask"), batch["position_ids"])
+
+
+class VForwardStep:
+    """Megatron-LM's forward_step for the V (pretrain_gpt.forward_step with the V's batch):
+    ``loss_func(loss_mask, output_tensor[, model=])`` is pretrain_gpt's loss function."""
+
+    def __init__(self, batch: VBatch, loss_func: Callable, timers: Callable | None = None):
+        self.batch = batch
+        self.loss_func = loss_func
+        self.timers = timers
+        self._takes_model = "model" in inspect.signature(loss_func).parameters
+
+    def __call__(self, data_iterator, model):
+        if self.timers is not None:
+            self.timers("batch-generator", log_level=2).start()
+        tokens, labels, loss_mask, attention_mask, position_ids = self.batch(data_iterator)
+        if self.timers is not None:
+            self.timers("batch-generator").stop()
+        output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        loss = partial(self.loss_func, loss_mask, model=model) if self._takes_model else \
+            partial(self.loss_func, loss_mask)
+        return output, loss
+
+
+# -- Megatron-LM itself --------------------------------------------------------------------------
+def patch_megatron_lm() -> None:
+    """Make Megatron-LM's pretrain() run the plugin's schedules (see the module doc)."""
+    from megatron.training import initialize, training
+
+    if getattr(initialize.validate_args, "vshape_original", None) is None:
+        initialize.validate_args = _validating(initialize.validate_args)
+    if not getattr(training.DistributedDataParallelConfig, "vshape_delayed", False):
+        training.DistributedDataParallelConfig = _delayed_wgrad_ddp_config(
+            training.DistributedDataParallelConfig)
+
+
+def _validating(original):
+    def validate_args(args, defaults={}):
+        check_arguments(args)
+        v = args.pipeline_schedule in V_SCHEDULES
+        layers = args.num_layers
+        if v and layers % args.pipeline_model_parallel_size:
+            # Megatron-LM asks num_layers % PP == 0; the V places uneven counts itself
+            args.num_layers = -(-layers // args.pipeline_model_parallel_size) * \
+                args.pipeline_model_parallel_size
+        try:
+            result = original(args, defaults)
+        finally:
+            if v and args.num_layers != layers:
+                args.num_layers = layers
+                if getattr(args, "encoder_num_layers", None) is not None:
+                    args.encoder_num_layers = layers
+        if v:
+            args.virtual_pipeline_model_parallel_size = 2
+        import megatron_vshape
+
+        megatron_vshape.install(vshape_config(args))
+        log.info("[vshape] pipeline schedule %s installed", args.pipeline_schedule)
+        return result
+    validate_args.vshape_original = original
+    return validate_args
+
+
+def _delayed_wgrad_ddp_config(base):
+    """DistributedDataParallelConfig whose hooks wait for W when our schedule defers it."""
+
+    @dataclasses.dataclass
+    class VShapeDDPConfig(base):
+        vshape_delayed = True
+
+        def __post_init__(self):
+            from megatron.training import get_args
+
+            if get_args().pipeline_schedule in OURS:
+                self.delay_wgrad_compute = True
+            super().__post_init__()
+
+    return VShapeDDPConfig

@@ -1,0 +1,107 @@
+"""Megatron-LM's pretrain_gpt (tag core_v0.16.1) with the megatron-vshape schedules.
+
+    torchrun --nproc-per-node 8 scripts/pretrain_gpt_vshape.py <pretrain_gpt flags> \\
+        --pipeline-schedule v-half [--pipeline-memory-limit 0.5] [--pipeline-replan-after 3]
+
+Run it exactly like pretrain_gpt.py (every Megatron-LM flag works as there), with Megatron-LM
+on PYTHONPATH (``export PYTHONPATH=$MEGATRON_LM:$PYTHONPATH``; scripts/slurm/ does this). The
+added flags are megatron_vshape.megatron.megatron_lm.add_arguments's. For V schedules
+(v-min, v-half, v-zb, auto) the model, batch and forward step are V-aware (pipeline rank 0 holds
+embedding and LM head, reads tokens and labels); 1f1b, interleaved-1f1b and zb-1p keep
+pretrain_gpt's own. Losses are logged as usual (relayed to the last pipeline rank). No patch of
+Megatron-LM is needed (see patches/README.md).
+"""
+import functools
+import logging
+import os
+import sys
+from functools import partial
+
+
+def _log_on_rank_0() -> None:
+    """The plugin logs its schedule lines (``[vshape] schedule=...``, which ``vshape collect``
+    reads) through logging; print them on global rank 0."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger = logging.getLogger("megatron_vshape")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _schedule() -> str:
+    from megatron.training import get_args
+
+    return get_args().pipeline_schedule
+
+
+class _BySchedule:
+    """Chooses between the V-aware callable and pretrain_gpt's own once flags are parsed."""
+
+    def __init__(self, v, standard):
+        self.v, self.standard = v, standard
+
+    def __call__(self, *args, **kwargs):
+        from megatron_vshape.megatron.megatron_lm import V_SCHEDULES
+
+        return (self.v if _schedule() in V_SCHEDULES else self.standard)(*args, **kwargs)
+
+
+def main() -> None:
+    try:
+        import pretrain_gpt
+        from gpt_builders import gpt_builder
+        from megatron.core.enums import ModelType
+        from megatron.training import get_args, get_timers, pretrain
+        from megatron.training.arguments import core_transformer_config_from_args
+        from model_provider import model_provider
+    except ImportError as err:
+        raise SystemExit(f"pretrain_gpt_vshape.py needs Megatron-LM (tag core_v0.16.1) on "
+                         f"PYTHONPATH: export PYTHONPATH=$MEGATRON_LM:$PYTHONPATH ({err})")
+    from megatron_vshape.megatron import megatron_lm as vlm
+    from megatron_vshape.megatron.model import v_embedding_ranks
+
+    _log_on_rank_0()
+    vlm.patch_megatron_lm()
+    base = partial(model_provider, gpt_builder)
+
+    @functools.lru_cache(maxsize=None)
+    def v_chunks():  # one per run: it keeps chunk 0 until get_model asks for chunk 1
+        return vlm.VChunkProvider(base, lambda: core_transformer_config_from_args(get_args()),
+                                  te_delay_wgrad=get_args().transformer_impl == "transformer_engine")
+
+    def v_provider(*args, **kwargs):
+        return v_chunks()(*args, **kwargs)
+
+    def standard_provider(*args, **kwargs):
+        build = vlm.deferred_standard_provider(base) if _schedule() == "zb-1p" else base
+        return build(*args, **kwargs)
+
+    def v_forward_step(data_iterator, model):
+        args = get_args()
+        batch = vlm.VBatch(args.seq_length, args.micro_batch_size,
+                           args.create_attention_mask_in_dataloader)
+        return vlm.VForwardStep(batch, pretrain_gpt.loss_func, get_timers())(data_iterator, model)
+
+    def datasets(train_val_test_num_samples, vp_stage=None):
+        if _schedule() in vlm.V_SCHEDULES:  # only pipeline rank 0 reads data under a V
+            pretrain_gpt.is_dataset_built_on_rank = lambda vp_stage=None: vlm.is_v_dataset_rank()
+        return pretrain_gpt.train_valid_test_datasets_provider(train_val_test_num_samples,
+                                                               vp_stage=vp_stage)
+
+    datasets.is_distributed = True
+
+    def embedding_ranks(pp_ranks, *rest):
+        if _schedule() in vlm.V_SCHEDULES:
+            return v_embedding_ranks(pp_ranks)
+        return pretrain_gpt.get_embedding_ranks(pp_ranks)
+
+    pretrain(datasets, _BySchedule(v_provider, standard_provider), ModelType.encoder_or_decoder,
+             _BySchedule(v_forward_step, pretrain_gpt.forward_step),
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+             extra_args_provider=vlm.add_arguments, get_embedding_ranks=embedding_ranks)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""scripts/pretrain_gpt_vshape.py's flags: parsing, and bad combinations refused at parsing.
+
+Megatron-LM itself is not installed here (it is a cluster checkout, not a package); its
+argument namespace is stood in for by the fields the checks read, with Megatron-LM's defaults.
+"""
+import argparse
+
+import pytest
+
+from megatron_vshape.megatron.megatron_lm import add_arguments, check_arguments, vshape_config
+from megatron_vshape.schedule.limits import MemoryLimit
+
+
+def _args(argv=(), **megatron):
+    """Our flags parsed from ``argv`` plus Megatron-LM's fields (defaults as core_v0.16.1)."""
+    args = add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+    fields = dict(pipeline_model_parallel_size=4, num_layers=30,
+                  num_layers_per_virtual_pipeline_stage=None,
+                  num_virtual_stages_per_pipeline_rank=None, pipeline_model_parallel_layout=None,
+                  decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                  account_for_embedding_in_pipeline_split=False,
+                  account_for_loss_in_pipeline_split=False, num_experts=None, mtp_num_layers=None,
+                  context_parallel_size=1, use_legacy_models=False, use_torch_fsdp2=False,
+                  use_megatron_fsdp=False, delay_wgrad_compute=False)
+    fields.update(megatron)
+    for key, value in fields.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_defaults_are_megatrons_own_1f1b():
+    args = _args()
+    check_arguments(args)
+    assert args.pipeline_schedule == "1f1b" and vshape_config(args).schedule == "1f1b"
+
+
+def test_v_schedule_flags_become_the_plugin_config():
+    args = _args(["--pipeline-schedule", "auto", "--pipeline-memory-limit", "40GiB",
+                  "--pipeline-replan-after", "5", "--pipeline-p2p-timeout", "30"])
+    check_arguments(args)
+    config = vshape_config(args)
+    assert config.schedule == "auto" and config.memory_limit == MemoryLimit(bytes=40 * 2**30)
+    assert config.replan_after == 5 and config.timeout == 30 and config.losses_on_last_rank
+    half = vshape_config(_args(["--pipeline-schedule", "v-half"]))
+    assert half.replan_after == 0 and half.memory_limit is None  # re-planning is auto's
+
+
+def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        _args(["--pipeline-schedule", "v-quarter"])
+    assert "invalid choice: 'v-quarter'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,megatron,needle", [
+    (["--pipeline-schedule", "v-half"], {"pipeline_model_parallel_size": 1},
+     "needs --pipeline-model-parallel-size >= 2"),
+    (["--pipeline-schedule", "v-min"], {"num_layers": 6},
+     "--num-layers must be >= 2 x --pipeline-model-parallel-size"),
+    (["--pipeline-schedule", "v-zb"], {"num_virtual_stages_per_pipeline_rank": 2},
+     "drop --num-layers-per-virtual-pipeline-stage"),
+    (["--pipeline-schedule", "v-half"], {"pipeline_model_parallel_layout": "Et|tL"},
+     "stage s lives on rank s % p"),
+    (["--pipeline-schedule", "v-half"], {"account_for_loss_in_pipeline_split": True},
+     "num_layers = k x PP - 2"),
+    (["--pipeline-schedule", "auto"], {"num_experts": 8}, "MoE (--num-experts)"),
+    (["--pipeline-schedule", "v-half"], {"context_parallel_size": 2}, "--context-parallel-size 1"),
+    (["--pipeline-schedule", "v-half"], {"use_legacy_models": True}, "drop --use-legacy-models"),
+    (["--pipeline-schedule", "v-half"], {"use_torch_fsdp2": True}, "drop --use-torch-fsdp2"),
+    (["--pipeline-schedule", "v-half"], {"delay_wgrad_compute": True},
+     "drop it"),
+    (["--pipeline-schedule", "interleaved-1f1b"], {},
+     "needs --num-virtual-stages-per-pipeline-rank"),
+    (["--pipeline-schedule", "1f1b"], {"num_virtual_stages_per_pipeline_rank": 2},
+     "use --pipeline-schedule interleaved-1f1b"),
+    (["--pipeline-schedule", "zb-1p"], {"pipeline_model_parallel_size": 1},
+     "zb-1p needs --pipeline-model-parallel-size >= 2"),
+    (["--pipeline-schedule", "v-half", "--pipeline-memory-limit", "0.5"], {},
+     "--pipeline-memory-limit applies to --pipeline-schedule auto only"),
+    (["--pipeline-schedule", "auto", "--pipeline-memory-limit", "lots"], {},
+     "--pipeline-memory-limit must be a number with a unit"),
+    (["--pipeline-schedule", "auto", "--pipeline-replan-after", "-1"], {},
+     "--pipeline-replan-after must be >= 0"),
+    (["--pipeline-p2p-timeout", "0"], {}, "--pipeline-p2p-timeout must be > 0"),
+])
+def test_bad_combinations_name_the_flag(argv, megatron, needle):
+    with pytest.raises(ValueError) as err:
+        check_arguments(_args(argv, **megatron))
+    assert needle in str(err.value)
+
+
+def test_the_papers_uneven_layer_counts_are_accepted():
+    """30 layers on PP = 8 (k x p - 2): rank 0's chunks take the two missing layers."""
+    check_arguments(_args(["--pipeline-schedule", "v-half"], pipeline_model_parallel_size=8))
+    check_arguments(_args(["--pipeline-schedule", "interleaved-1f1b"],
+                          num_virtual_stages_per_pipeline_rank=2))
+
+
+def test_patching_megatron_lm_validates_ours_hides_uneven_layers_and_installs(monkeypatch):
+    """patch_megatron_lm against a stand-in for megatron.training with the behaviour we rely
+    on (core_v0.16.1): validate_args asserts num_layers % PP == 0 and copies num_layers to
+    encoder_num_layers; get_model reads DistributedDataParallelConfig from training's module
+    namespace; training binds get_forward_backward_func at import."""
+    import sys
+    import types
+
+    pytest.importorskip("megatron.core")
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    import megatron_vshape
+    from megatron_vshape.megatron.forward_backward import VShapeForwardBackward
+    from megatron_vshape.megatron.megatron_lm import patch_megatron_lm
+
+    def validate_args(args, defaults={}):
+        assert args.num_layers % args.pipeline_model_parallel_size == 0, \
+            "Number of layers should be divisible by the pipeline-model-parallel size"
+        args.encoder_num_layers = args.num_layers
+        args.virtual_pipeline_model_parallel_size = None
+        return "validated"
+
+    current = {}
+    package = types.ModuleType("megatron.training")
+    package.get_args = lambda: current["args"]
+    package.initialize = types.ModuleType("megatron.training.initialize")
+    package.initialize.validate_args = validate_args
+    package.training = types.ModuleType("megatron.training.training")
+    package.training.DistributedDataParallelConfig = DistributedDataParallelConfig
+    package.training.get_forward_backward_func = schedules.get_forward_backward_func
+    for name, module in (("megatron.training", package),
+                         ("megatron.training.initialize", package.initialize),
+                         ("megatron.training.training", package.training)):
+        monkeypatch.setitem(sys.modules, name, module)
+    try:
+        patch_megatron_lm()
+        patch_megatron_lm()  # idempotent
+        assert package.initialize.validate_args.vshape_original is validate_args
+        current["args"] = args = _args(["--pipeline-schedule", "v-half"],
+                                       pipeline_model_parallel_size=8)
+        assert package.initialize.validate_args(args) == "validated"
+        assert args.num_layers == args.encoder_num_layers == 30  # restored after the check
+        assert args.virtual_pipeline_model_parallel_size == 2  # two chunks per rank
+        fb = package.training.get_forward_backward_func(8, None)
+        assert isinstance(fb, VShapeForwardBackward) and fb.schedule == "v-half"
+        assert fb.losses_on_last_rank
+        assert package.training.DistributedDataParallelConfig().delay_wgrad_compute
+        with pytest.raises(ValueError, match="--num-layers must be >= 2"):
+            package.initialize.validate_args(_args(["--pipeline-schedule", "v-min"],
+                                                   num_layers=6))
+        current["args"] = args = _args()  # megatron's own 1F1B: nothing changes
+        package.initialize.validate_args(_args(["--pipeline-schedule", "1f1b"], num_layers=32))
+        assert not package.training.DistributedDataParallelConfig().delay_wgrad_compute
+    finally:
+        megatron_vshape.uninstall()
