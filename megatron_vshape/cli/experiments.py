@@ -1,0 +1,154 @@
+"""``vshape grid | collect``: run the paper's grid search on a cluster and read back the results.
+
+Output contracts: ``grid`` writes ``commands.txt`` (line i = point i = slurm array task i),
+``points.csv`` (columns ``experiments.commands.MANIFEST_COLUMNS``) and, with ``--format slurm``,
+``grid.sbatch``; ``collect --csv`` writes the columns ``experiments.collect.COLUMNS``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..experiments.collect import (H100_BF16_TFLOPS, collect, plot_throughput_vs_memory,
+                                   write_csv)
+from ..experiments.commands import (command_line, write_array_job, write_commands,
+                                    write_manifest)
+from ..experiments.grid import Expansion, expand
+from ..experiments.grid_file import load_grid
+
+__all__ = ["register"]
+
+_PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+_MAX_ARRAY = 1000
+"""Array task ids a default slurm accepts (MaxArraySize 1001 allows 0..1000; we split at 1000)."""
+
+
+def register(sub) -> None:
+    """Add this module's subcommands to the ``vshape`` parser."""
+    grid = sub.add_parser("grid", help="expand a grid YAML into launch commands or a slurm array")
+    grid.add_argument("grid", metavar="GRID.yaml", help="a grid file (configs/grid/README.md)")
+    grid.add_argument("--output-dir", "-o",
+                      help="where commands.txt, points.csv (and grid.sbatch) go "
+                           "(default: runs/<grid name>)")
+    grid.add_argument("--format", choices=["commands", "slurm"], default="commands",
+                      help="commands: commands.txt and points.csv; slurm: also grid.sbatch, "
+                           "an array job with one task per point")
+    grid.add_argument("--dry-run", action="store_true",
+                      help="list every point and every skipped one with its reason; write nothing")
+    grid.set_defaults(handler=_grid)
+    col = sub.add_parser("collect", help="Megatron-LM training logs -> throughput/memory table")
+    col.add_argument("log_dirs", nargs="+", metavar="LOG_DIR",
+                     help="folders searched for *.log (recursively), or log files")
+    col.add_argument("--csv", help="write one row per run to this CSV file")
+    col.add_argument("--plot", help="plot throughput vs peak memory per schedule (.png/.svg/.pdf)")
+    col.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS,
+                     help="the GPU's peak TFLOP/s for MFU (default %(default)g: H100 bf16 dense)")
+    col.add_argument("--warmup", type=int, default=3,
+                     help="leave iterations 1..N out of the medians (default %(default)s)")
+    col.set_defaults(handler=_collect)
+
+
+def _summary(expansion: Expansion, source: str) -> None:
+    grid = expansion.grid
+    model = grid.model
+    crossed = (len(grid.seq_lengths), len(grid.tp), len(grid.pp), len(grid.mbs),
+               len(grid.schedules))
+    print(f"grid {grid.name} ({source}): model {model.name} ({model.num_layers} layers, "
+          f"{model.num_attention_heads} heads), {grid.gpus.total} GPUs = {grid.gpus.nodes} "
+          f"nodes x {grid.gpus.per_node}")
+    total = crossed[0] * crossed[1] * crossed[2] * crossed[3] * crossed[4]
+    print(f"crossed {' x '.join(map(str, crossed))} (seq x tp x pp x mbs x schedule) = {total}: "
+          f"{len(expansion.points)} points, {len(expansion.skipped)} skipped")
+    groups = expansion.skipped_by_rule()
+    if groups:
+        print("skipped, by rule (count, first example):")
+        width = max(len(rule) for rule in groups)
+        for rule, skips in sorted(groups.items(), key=lambda item: -len(item[1])):
+            print(f"  {len(skips):>5}  {rule:<{width}}  {skips[0].describe()}")
+    counts: dict[str, int] = {}
+    for point in expansion.points:
+        counts[point.choice.name] = counts.get(point.choice.name, 0) + 1
+    if counts:
+        print("points by schedule: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        print(f"point 0: {command_line(grid, expansion.points[0])}")
+
+
+def _dry_run(expansion: Expansion) -> None:
+    print("points:")
+    for point in expansion.points:
+        print(f"  {point.index:>5}  {point.name}  (microbatches {point.microbatches})")
+    print("skipped:")
+    for skip in expansion.skipped:
+        print(f"  [{skip.rule}] {skip.describe()}")
+
+
+def _grid(args) -> int:
+    grid = load_grid(args.grid)
+    expansion = expand(grid)
+    _summary(expansion, args.grid)
+    if args.dry_run:
+        _dry_run(expansion)
+        return 0
+    if not expansion.points:
+        raise ValueError(f"grid {args.grid}: no valid point (see the rules above); widen tp, pp "
+                         f"or mbs, or change global_batch")
+    out = Path(args.output_dir) if args.output_dir else Path("runs") / grid.name
+    if args.format == "slurm" and any(c in str(out.resolve()) for c in " \t\"'$`\\"):
+        raise ValueError(f"--output-dir {str(out)!r}: #SBATCH lines cannot quote, so the folder "
+                         f"for --format slurm must have no spaces, quotes, '$', '`' or '\\'")
+    out.mkdir(parents=True, exist_ok=True)
+    commands = write_commands(expansion, out / "commands.txt")
+    print(f"wrote {commands} ({len(expansion.points)} commands, line i = point i)")
+    print(f"wrote {write_manifest(expansion, out / 'points.csv')}")
+    if args.format == "slurm":
+        write_array_job(expansion, commands, out, args.grid)
+        job = out / "grid.sbatch"
+        count = len(expansion.points)
+        print(f"wrote {job} (array 0-{count - 1}); from the repository root, with the "
+              f"environment of scripts/slurm/README.md set: sbatch {job}")
+        if count > _MAX_ARRAY:
+            print(f"note: {count} points; clusters with slurm's default MaxArraySize "
+                  f"({_MAX_ARRAY + 1}) take task ids up to {_MAX_ARRAY} only: submit in parts, "
+                  f"sbatch --array=0-{_MAX_ARRAY - 1} {job}, then POINT_OFFSET={_MAX_ARRAY} "
+                  f"sbatch --array=0-{min(count, 2 * _MAX_ARRAY) - _MAX_ARRAY - 1} {job}, ...")
+    return 0
+
+
+def _table(rows) -> None:
+    width = max(len("run"), *(len(r.run) for r in rows))
+    head = (f"{'run':<{width}}  {'status':<10} {'schedule':<16} {'dp':>3} {'tp':>3} {'pp':>3} "
+            f"{'mbs':>3} {'seq':>6} {'ms/iter':>9} {'TFLOP/s':>8} {'MFU':>6} {'tok/s/GPU':>10} "
+            f"{'peak GiB':>9} {'loss':>7}")
+    print(head)
+    print("-" * len(head))
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        peak = None if r.max_allocated_mb is None else r.max_allocated_mb / 1024
+        print(f"{r.run:<{width}}  {r.status:<10} {r.label or '-':<16} {fmt(r.dp, '>3')} "
+              f"{fmt(r.tp, '>3')} {fmt(r.pp, '>3')} {fmt(r.mbs, '>3')} {fmt(r.seq_length, '>6')} "
+              f"{fmt(r.iteration_ms, '>9.1f')} {fmt(r.tflops_per_gpu, '>8.1f')} "
+              f"{fmt(r.mfu, '>6.1%')} {fmt(r.tokens_per_s_per_gpu, '>10.0f')} "
+              f"{fmt(peak, '>9.2f')} {fmt(r.lm_loss, '>7.3f')}")
+
+
+def _collect(args) -> int:
+    if args.peak_tflops <= 0:
+        raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops:g}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.plot and Path(args.plot).suffix.lower() not in _PLOT_SUFFIXES:
+        raise ValueError(f"--plot must end in {', '.join(_PLOT_SUFFIXES)}, got {args.plot!r}")
+    rows = collect(args.log_dirs, args.peak_tflops, args.warmup)
+    if not rows:
+        raise ValueError(f"no Megatron-LM log (*.log with an argument dump or iteration lines) "
+                         f"under {', '.join(args.log_dirs)}")
+    _table(rows)
+    if args.csv:
+        write_csv(rows, args.csv)
+        print(f"wrote {args.csv} ({len(rows)} runs)")
+    if args.plot:
+        drawn = plot_throughput_vs_memory(rows, args.plot)
+        print(f"wrote {args.plot} ({drawn} runs with throughput and memory)")
+    return 0

@@ -1,0 +1,132 @@
+"""``vshape plan``: the fastest (DP, TP, PP, micro batch, schedule) that fits the GPUs.
+
+Prints the ranked table (:func:`megatron_vshape.plan.table.format_table`) and writes every
+configuration to ``--csv``. Exit status: 0 with a table, 1 when nothing fits (the reason goes
+to standard error), 2 for bad flags.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..plan.candidates import SearchSpace
+from ..plan.model import load_model_config
+from ..plan.planner import plan
+from ..plan.profile_file import load_profile
+from ..plan.settings import PRECISIONS, ClusterConfig, TrainingConfig
+from ..plan.table import format_csv, format_table
+from ..schedule.registry import SCHEDULES
+
+__all__ = ["register"]
+
+_CLUSTER = ClusterConfig(gpus=1, gpu_memory_gib=80.0)  # only for the defaults shown in --help
+
+
+def register(sub) -> None:
+    """Add ``plan`` to the ``vshape`` parser."""
+    p = sub.add_parser(
+        "plan", help="rank DP x TP x PP x micro batch x schedule by predicted throughput",
+        description="Predict per-GPU memory and throughput of every configuration that fits "
+                    "and print them fastest first (formulas and defaults: docs/plan.md).")
+    p.add_argument("--model", required=True, help="configs/models/NAME.yaml")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in all (DP x TP x PP)")
+    p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB",
+                   help="memory of one GPU in GiB (e.g. 80)")
+    p.add_argument("--seq-length", type=int, metavar="S", help="tokens per sample (default: the model's)")
+    p.add_argument("--global-batch", type=int, default=128, metavar="B",
+                   help="samples per iteration (default 128)")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8],
+                   metavar="B", help="micro batch sizes to try (1 2 4 8)")
+    p.add_argument("--tp", type=int, nargs="+", metavar="T", help="TP sizes to try (default: all valid)")
+    p.add_argument("--pp", type=int, nargs="+", metavar="P", help="PP sizes to try (default: all valid)")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
+                   metavar="NAME", help=f"pipeline schedules ({', '.join(SCHEDULES)}; default all)")
+    p.add_argument("--auto-candidates", type=int, default=SearchSpace().auto_candidates,
+                   metavar="K", help="search auto only at the K best points of the fixed "
+                                     "schedules (default %(default)s)")
+    _add_training(p)
+    _add_cluster(p)
+    p.add_argument("--top", type=int, default=15, metavar="K", help="table rows (default 15)")
+    p.add_argument("--csv", metavar="FILE", help="write every configuration to FILE")
+    p.set_defaults(handler=_plan)
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="bf16 mixed precision (default) or fp32")
+    p.add_argument("--no-flash-attention", action="store_true",
+                   help="keep the s x s attention scores (no fused attention)")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="TP without sequence parallel (layernorm/dropout activations replicated)")
+    p.add_argument("--no-distributed-optimizer", action="store_true",
+                   help="every DP replica keeps the whole Adam state")
+    p.add_argument("--no-dropout", action="store_true", help="dropout 0: no dropout masks")
+
+
+def _add_cluster(p: argparse.ArgumentParser) -> None:
+    c = _CLUSTER
+    p.add_argument("--profile", metavar="FILE",
+                   help="measured per-layer F/B/W seconds (YAML/JSON, docs/plan.md) instead of "
+                        "the FLOP model")
+    p.add_argument("--mfu", type=float, default=c.mfu, metavar="X",
+                   help="model FLOP utilisation of the analytic cost model (default %(default)s)")
+    p.add_argument("--gpu-tflops", type=float, default=c.gpu_tflops, metavar="TFLOPS",
+                   help="peak 16-bit TFLOP/s per GPU (default %(default)s, H100 SXM dense)")
+    p.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node, metavar="N",
+                   help="GPUs per node (default %(default)s); TP stays inside a node")
+    p.add_argument("--reserved-memory", type=float, default=c.reserved_gib, metavar="GIB",
+                   help="GiB per GPU kept free for context, buffers, fragmentation "
+                        "(default %(default)s)")
+    p.add_argument("--intra-node-bandwidth", type=float, default=c.intra_node_gbps,
+                   metavar="GB/S", help="achieved bandwidth in a node (default %(default)s)")
+    p.add_argument("--inter-node-bandwidth", type=float, default=c.inter_node_gbps,
+                   metavar="GB/S", help="achieved bandwidth per GPU across nodes "
+                                        "(default %(default)s)")
+    p.add_argument("--p2p-latency", type=float, default=c.p2p_latency_us, metavar="US",
+                   help="fixed cost of one pipeline hop, microseconds (default %(default)s)")
+    p.add_argument("--overlap-dp-comm", action="store_true",
+                   help="the DP gradient reduction is hidden behind compute")
+
+
+def _configs(args):
+    try:
+        model = load_model_config(args.model)
+    except ValueError as err:
+        raise ValueError(f"--model: {err}") from None
+    training = TrainingConfig(
+        seq_length=args.seq_length or model.seq_length, global_batch=args.global_batch,
+        precision=args.precision, flash_attention=not args.no_flash_attention,
+        sequence_parallel=not args.no_sequence_parallel,
+        distributed_optimizer=not args.no_distributed_optimizer, dropout=not args.no_dropout)
+    cluster = ClusterConfig(
+        gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpus_per_node=args.gpus_per_node,
+        reserved_gib=args.reserved_memory, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
+        intra_node_gbps=args.intra_node_bandwidth, inter_node_gbps=args.inter_node_bandwidth,
+        p2p_latency_us=args.p2p_latency, overlap_dp_comm=args.overlap_dp_comm)
+    space = SearchSpace(schedules=tuple(args.schedules),
+                        micro_batch_sizes=tuple(args.micro_batch_sizes),
+                        tensor_parallel=tuple(args.tp) if args.tp else None,
+                        pipeline_parallel=tuple(args.pp) if args.pp else None,
+                        auto_candidates=args.auto_candidates)
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    return model, training, cluster, space
+
+
+def _plan(args) -> int:
+    model, training, cluster, space = _configs(args)
+    profile = load_profile(args.profile) if args.profile else None
+    result = plan(model, training, cluster, space, profile)
+    if args.csv:
+        Path(args.csv).write_text(format_csv(result))
+    if not result.feasible:
+        print(format_table(result, args.top).rsplit("\n", 1)[0])
+        print(f"vshape: plan: {result.failure_message()}", file=sys.stderr)
+        if args.csv:
+            print(f"wrote {args.csv} ({len(result.predictions)} configurations)")
+        return 1
+    print(format_table(result, args.top))
+    if args.csv:
+        print(f"wrote {args.csv} ({len(result.predictions)} configurations)")
+    return 0

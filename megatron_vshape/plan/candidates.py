@@ -1,0 +1,119 @@
+"""Which (DP, TP, PP, micro batch size) points a plan considers.
+
+TP stays inside a node and must divide the attention heads (and query groups); PP must leave
+every pipeline stage a layer; DP is what is left of the GPUs. A point runs
+global_batch / (DP x micro batch size) microbatches, and is skipped (and counted) when that is
+not a whole number.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..schedule.registry import SCHEDULES
+from .model import ModelConfig
+from .settings import ClusterConfig, TrainingConfig
+
+__all__ = ["SearchSpace", "GridPoint", "tensor_parallel_choices", "pipeline_parallel_choices",
+           "grid_points", "NO_PIPELINE"]
+
+NO_PIPELINE = "none"
+"""The schedule name of PP = 1 rows: gradient accumulation over the microbatches, no pipeline."""
+
+
+def _ints(values, flag: str) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    values = tuple(values)
+    if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+        raise ValueError(f"{flag} must be positive integers, got {list(values)}")
+    return tuple(sorted(set(values)))
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What to search over; None means every valid value."""
+
+    schedules: tuple[str, ...] = SCHEDULES
+    """Pipeline schedules for PP > 1 (``--schedules``); PP = 1 rows are schedule ``none``."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Micro batch sizes (``--micro-batch-sizes``)."""
+    tensor_parallel: tuple[int, ...] | None = None
+    """TP sizes (``--tp``); None: every divisor of the GPUs that fits a node and the heads."""
+    pipeline_parallel: tuple[int, ...] | None = None
+    """PP sizes (``--pp``); None: every divisor of the GPUs up to the layer count."""
+    auto_candidates: int = 3
+    """``auto`` searches only at the best this many (DP, TP, PP, micro batch) points of the
+    fixed schedules (``--auto-candidates``): each search takes up to seconds."""
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.schedules if s not in SCHEDULES]
+        if unknown or not self.schedules:
+            raise ValueError(f"--schedules: unknown {unknown or 'none given'}; valid choices: "
+                             f"{', '.join(SCHEDULES)}")
+        object.__setattr__(self, "schedules", tuple(dict.fromkeys(self.schedules)))
+        object.__setattr__(self, "micro_batch_sizes",
+                           _ints(self.micro_batch_sizes, "--micro-batch-sizes"))
+        object.__setattr__(self, "tensor_parallel", _ints(self.tensor_parallel, "--tp"))
+        object.__setattr__(self, "pipeline_parallel", _ints(self.pipeline_parallel, "--pp"))
+        if not isinstance(self.auto_candidates, int) or self.auto_candidates < 0:
+            raise ValueError(f"--auto-candidates must be an integer >= 0, got "
+                             f"{self.auto_candidates!r}")
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One (DP, TP, PP, micro batch size) point and its microbatch count."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    microbatches: int
+
+
+def tensor_parallel_choices(model: ModelConfig, cluster: ClusterConfig,
+                            space: SearchSpace) -> tuple[int, ...]:
+    valid = tuple(t for t in range(1, min(cluster.gpus, cluster.gpus_per_node) + 1)
+                  if cluster.gpus % t == 0 and model.num_attention_heads % t == 0
+                  and model.query_groups % t == 0)
+    if space.tensor_parallel is None:
+        return valid
+    bad = [t for t in space.tensor_parallel if t not in valid]
+    if bad:
+        raise ValueError(f"--tp {bad} invalid for {model.name} on {cluster.gpus} GPUs "
+                         f"({cluster.gpus_per_node} per node; TP must divide the GPUs and the "
+                         f"{model.num_attention_heads} heads and fit a node); valid choices: "
+                         f"{', '.join(map(str, valid))}")
+    return space.tensor_parallel
+
+
+def pipeline_parallel_choices(model: ModelConfig, cluster: ClusterConfig,
+                              space: SearchSpace) -> tuple[int, ...]:
+    valid = tuple(p for p in range(1, min(cluster.gpus, model.num_layers) + 1)
+                  if cluster.gpus % p == 0)
+    if space.pipeline_parallel is None:
+        return valid
+    bad = [p for p in space.pipeline_parallel if p not in valid]
+    if bad:
+        raise ValueError(f"--pp {bad} invalid for {model.name} on {cluster.gpus} GPUs (PP must "
+                         f"divide the GPUs and not exceed the {model.num_layers} layers); valid "
+                         f"choices: {', '.join(map(str, valid))}")
+    return space.pipeline_parallel
+
+
+def grid_points(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
+                space: SearchSpace) -> tuple[list[GridPoint], Counter]:
+    """Every point whose microbatch count is whole, and how many were skipped, by reason."""
+    points, skipped = [], Counter()
+    for tp in tensor_parallel_choices(model, cluster, space):
+        for pp in pipeline_parallel_choices(model, cluster, space):
+            if cluster.gpus % (tp * pp):
+                continue
+            dp = cluster.gpus // (tp * pp)
+            for b in space.micro_batch_sizes:
+                if training.global_batch % (dp * b):
+                    skipped["global batch not divisible by DP x micro batch size"] += 1
+                    continue
+                points.append(GridPoint(dp, tp, pp, b, training.global_batch // (dp * b)))
+    return points, skipped

@@ -1,0 +1,151 @@
+"""Pass times: the analytic FLOP model, communication, and per-rank simulator costs.
+
+Compute (one microbatch of b samples, s tokens, on one TP rank of t)::
+
+    F_layer = [2sb h (h + kv) + 2sb h^2 + 2sb h f' + 2sb f h + 4 b s^2 h] / t   FLOPs
+            = (24 b s h^2 + 4 b s^2 h) / t for f = 4h, no GQA (f' = 2f with SwiGLU)
+    B_layer = linear FLOPs + 2 x attention-core FLOPs    (input gradients; the core has no weights)
+    W_layer = linear FLOPs                               (weight gradients), so B + W = 2F
+    F_head  = 2 sb h V / t,  B_head = 2 F_head,  W_head = 0  (the LM head's W is not deferred)
+
+divided by the achieved FLOP/s (``gpu_tflops x mfu``). Tensor parallelism adds its collectives,
+not overlapped: per layer four all-gathers/reduce-scatters of the s b h activation in F (two
+all-reduces without sequence parallel), four in B, and in W the two all-gathers that re-gather
+the inputs of the column-parallel linears under sequence parallel. Each moves
+(t-1)/t x e s b h bytes at the intra-node bandwidth.
+
+Pipeline hop: ``p2p_latency + e s b h / sp`` bytes at the inter-node bandwidth when the
+pipeline spans nodes (megatron orders ranks TP, then DP, then PP, so with more GPUs than a node
+some hop crosses), else at the intra-node bandwidth.
+
+Data parallel: per iteration a reduce-scatter of the fp32 gradients and an all-gather of the
+weights (distributed optimizer), or an all-reduce of the gradients, over the DP group, exposed
+unless ``overlap_dp_comm``. The optimizer step itself is not counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..schedule.costs import Costs
+from .model import ModelConfig
+from .settings import ClusterConfig, TrainingConfig
+from .shares import ChunkShare
+
+__all__ = ["PassTimes", "PartTimes", "analytic_times", "layer_flops", "head_flops",
+           "p2p_seconds", "dp_seconds", "rank_costs", "model_flops_per_sample"]
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of F, B (input gradient) and W (weight gradient) for one microbatch."""
+
+    forward: float
+    backward: float
+    weight: float
+
+    def __post_init__(self) -> None:
+        if min(self.forward, self.backward, self.weight) < 0:
+            raise ValueError(f"pass times must be >= 0, got {self}")
+
+    def scaled(self, factor: float) -> "PassTimes":
+        return PassTimes(self.forward * factor, self.backward * factor, self.weight * factor)
+
+
+@dataclass(frozen=True)
+class PartTimes:
+    """Pass times of the model's parts for one microbatch on one TP rank."""
+
+    layer: PassTimes
+    embedding: PassTimes
+    head: PassTimes
+    source: str
+    """Where they come from (``analytic, MFU 0.45`` or the profile file)."""
+
+
+def layer_flops(model: ModelConfig, seq_length: int, micro_batch_size: int) -> tuple[float, float]:
+    """(linear, attention-core) forward FLOPs of one layer, one microbatch, no TP."""
+    s, b, h, f = seq_length, micro_batch_size, model.hidden_size, model.ffn
+    kv = 2 * model.query_groups * model.head_dim
+    mlp_in = 2 * f if model.swiglu else f
+    linear = 2 * s * b * h * ((h + kv) + h + mlp_in + f)
+    return linear, 4 * b * s * s * h
+
+
+def head_flops(model: ModelConfig, seq_length: int, micro_batch_size: int) -> float:
+    """Forward FLOPs of the LM head (logits), one microbatch, no TP."""
+    return 2 * seq_length * micro_batch_size * model.hidden_size * model.vocab_size
+
+
+def model_flops_per_sample(model: ModelConfig, seq_length: int) -> float:
+    """F + B + W FLOPs of one sample through the whole model (3 x forward)."""
+    linear, attention = layer_flops(model, seq_length, 1)
+    return 3 * (model.num_layers * (linear + attention) + head_flops(model, seq_length, 1))
+
+
+def _tp_collective(training: TrainingConfig, cluster: ClusterConfig, tp: int,
+                   micro_batch_size: int, hidden: int) -> float:
+    """Seconds of one all-gather or reduce-scatter of the s b h activation over TP."""
+    if tp == 1:
+        return 0.0
+    size = training.element_bytes * training.seq_length * micro_batch_size * hidden
+    return (tp - 1) / tp * size / (cluster.intra_node_gbps * 1e9)
+
+
+def analytic_times(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
+                   tp: int, micro_batch_size: int) -> PartTimes:
+    """The FLOP model of the module docstring."""
+    rate = cluster.flops_per_second
+    linear, attention = layer_flops(model, training.seq_length, micro_batch_size)
+    hop = _tp_collective(training, cluster, tp, micro_batch_size, model.hidden_size)
+    sp = training.sequence_parallel
+    layer = PassTimes(
+        (linear + attention) / tp / rate + 4 * hop,
+        (linear + 2 * attention) / tp / rate + 4 * hop,
+        linear / tp / rate + (2 * hop if sp else 0.0),
+    )
+    logits = head_flops(model, training.seq_length, micro_batch_size) / tp / rate
+    head = PassTimes(logits + (hop if sp else 0.0), 2 * logits + (hop if sp else 2 * hop), 0.0)
+    embedding = PassTimes(hop if sp else 2 * hop, hop if sp else 0.0, 0.0)
+    return PartTimes(layer, embedding, head,
+                     f"analytic, {cluster.gpu_tflops:g} TFLOP/s x MFU {cluster.mfu:g}")
+
+
+def p2p_seconds(training: TrainingConfig, cluster: ClusterConfig, hidden: int, tp: int,
+                pp: int, micro_batch_size: int) -> float:
+    """One pipeline hop of one microbatch's activation (or its gradient)."""
+    if pp == 1:
+        return 0.0
+    sp = tp if training.sequence_parallel and tp > 1 else 1
+    size = training.element_bytes * training.seq_length * micro_batch_size * hidden / sp
+    across = cluster.gpus > cluster.gpus_per_node
+    bandwidth = cluster.inter_node_gbps if across else cluster.intra_node_gbps
+    return cluster.p2p_latency_us * 1e-6 + size / (bandwidth * 1e9)
+
+
+def dp_seconds(training: TrainingConfig, cluster: ClusterConfig, parameters: float, tp: int,
+               dp: int) -> float:
+    """Exposed data-parallel communication per iteration for ``parameters`` on one rank."""
+    if dp == 1 or cluster.overlap_dp_comm:
+        return 0.0
+    weight, grad, _ = training.parameter_bytes
+    per_parameter = grad + weight if training.distributed_optimizer else 2 * grad
+    across = tp * dp > cluster.gpus_per_node
+    bandwidth = cluster.inter_node_gbps if across else cluster.intra_node_gbps
+    return (dp - 1) / dp * per_parameter * parameters / (bandwidth * 1e9)
+
+
+def _chunk_time(share: ChunkShare, times: PartTimes) -> PassTimes:
+    parts = [(share.layers, times.layer), (share.embedding, times.embedding),
+             (share.head, times.head)]
+    return PassTimes(*(sum(n * getattr(t, k) for n, t in parts)
+                       for k in ("forward", "backward", "weight")))
+
+
+def rank_costs(shares: Sequence[Sequence[ChunkShare]], times: PartTimes, comm: float) -> Costs:
+    """Simulator costs: each rank's whole share (the simulator gives each chunk half)."""
+    per_rank = [[_chunk_time(c, times) for c in chunks] for chunks in shares]
+    return Costs.build(len(shares),
+                       [sum(t.forward for t in r) for r in per_rank],
+                       [sum(t.backward for t in r) for r in per_rank],
+                       [sum(t.weight for t in r) for r in per_rank], comm=comm)

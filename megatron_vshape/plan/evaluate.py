@@ -1,0 +1,259 @@
+"""One plan row: the memory and time a (DP, TP, PP, micro batch, schedule) point should take.
+
+Memory per rank = parameters, gradients and optimizer state of its chunks (:mod:`.memory`)
+plus its peak activation bytes, found by walking the schedule's order for that rank; the point
+fits when every rank stays within the GPU's memory less the reserve. Time = the simulator's
+makespan (:func:`megatron_vshape.schedule.simulate`) with per-rank costs from the part times
+(:mod:`.cost` or a profile file) and the pipeline hop, plus the exposed data-parallel
+communication. ``auto`` searches (:func:`megatron_vshape.schedule.search`) for the fastest V
+schedule under the memory left on the tightest rank.
+
+Schedules depend only on (name, p, m) and makespans scale with the costs, so the
+:class:`Evaluator` keeps each schedule once and each simulation once per cost ratio.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from ..schedule import Costs, MemoryModel, ScheduleError, build_schedule, simulate
+from ..schedule.placement import Layout as StageLayout, Placement
+from ..schedule.search import InfeasibleMemoryError, memory_limit_units, search
+from .candidates import NO_PIPELINE, GridPoint
+from .cost import (PartTimes, analytic_times, dp_seconds, model_flops_per_sample, p2p_seconds,
+                   rank_costs)
+from .memory import (ChunkBytes, activation_sizes, chunk_bytes, peak_activation_bytes,
+                     static_memory)
+from .model import ModelConfig
+from .profile_file import MeasuredProfile
+from .settings import GIB, ClusterConfig, ParallelLayout, TrainingConfig
+from .shares import rank_shares, whole_model_share
+
+__all__ = ["Prediction", "Evaluator"]
+
+log = logging.getLogger(__name__)
+
+_AUTO_RETRIES = 2
+_PROBE = 3
+"""Every fixed schedule reaches its peak memory within its first 3p microbatches (warm-up and
+one steady-state period; tests/test_plan.py checks it), so memory is checked on a schedule of
+min(m, 3p) microbatches and the full one is built only for configurations that fit."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted memory and time of one configuration (memory of its fullest rank)."""
+
+    layout: ParallelLayout
+    microbatches: int
+    feasible: bool
+    reason: str = ""
+    """Why it does not fit or cannot run (empty when feasible)."""
+    reason_kind: str = ""
+    """``memory``, ``layers``, ``schedule`` or ``search`` (empty when feasible)."""
+    peak_rank: int = 0
+    """The pipeline rank with the most memory."""
+    activation_bytes: float = 0.0
+    weight_bytes: float = 0.0
+    gradient_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    activation_bytes_per_rank: tuple[float, ...] = ()
+    iteration_seconds: float = 0.0
+    bubble_rate: float = 0.0
+    """Idle fraction of the busiest rank over the pipeline's makespan."""
+    dp_seconds: float = 0.0
+    """Exposed data-parallel communication included in ``iteration_seconds``."""
+    p2p_seconds: float = 0.0
+    tokens_per_second_per_gpu: float = 0.0
+    tflops_per_gpu: float = 0.0
+    """Model FLOPs (3 x forward, no recomputation) per second per GPU."""
+    costs: str = ""
+    description: str = ""
+
+    @property
+    def peak_bytes(self) -> float:
+        return (self.activation_bytes + self.weight_bytes + self.gradient_bytes
+                + self.optimizer_bytes)
+
+    @property
+    def dominant(self) -> str:
+        """The largest memory component on the fullest rank."""
+        parts = {"activations": self.activation_bytes, "weights": self.weight_bytes,
+                 "gradients": self.gradient_bytes, "optimizer": self.optimizer_bytes}
+        return max(parts, key=parts.get)
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """What the memory check needs of one configuration, per rank."""
+
+    chunks: tuple[tuple[ChunkBytes, ...], ...]
+    static: tuple
+    shares: tuple
+
+
+class Evaluator:
+    """Evaluates configurations of one model on one cluster, reusing schedules and simulations."""
+
+    def __init__(self, model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
+                 profile: MeasuredProfile | None = None):
+        if profile is not None and profile.seq_length != training.seq_length:
+            raise ValueError(f"--profile {profile.path!r} was measured at seq_length "
+                             f"{profile.seq_length}, the plan is for --seq-length "
+                             f"{training.seq_length}; measure at that length or change "
+                             "--seq-length")
+        self.model, self.training, self.cluster, self.profile = model, training, cluster, profile
+        self._schedules: dict = {}
+        self._simulations: dict = {}
+
+    # -- the parts ---------------------------------------------------------------------------
+    def times(self, tp: int, micro_batch_size: int) -> PartTimes:
+        analytic = analytic_times(self.model, self.training, self.cluster, tp, micro_batch_size)
+        if self.profile is None:
+            return analytic
+        return self.profile.times(tp, micro_batch_size, analytic)
+
+    def hop(self, point: GridPoint) -> float:
+        if self.profile is not None and self.profile.p2p_seconds is not None and point.pp > 1:
+            return self.profile.p2p_seconds * point.micro_batch_size
+        return p2p_seconds(self.training, self.cluster, self.model.hidden_size, point.tp,
+                           point.pp, point.micro_batch_size)
+
+    def schedule(self, name: str, p: int, m: int):
+        key = (name, p, m)
+        if key not in self._schedules:
+            try:
+                self._schedules[key] = build_schedule(name, p, m)
+            except ScheduleError as err:
+                self._schedules[key] = err
+        return self._schedules[key]
+
+    def _simulate(self, name: str, schedule, costs: Costs) -> tuple[float, float]:
+        """(makespan, bubble rate), simulated once per cost ratio."""
+        scale = max(costs.forward)
+        rel = Costs.build(len(costs.forward),
+                          *[[max(round(x / scale, 4), 1e-4) for x in xs]
+                            for xs in (costs.forward, costs.backward, costs.weight)],
+                          comm=round(costs.comm / scale, 4))
+        key = (name, schedule.ranks, schedule.microbatches, rel)
+        if key not in self._simulations:
+            result = simulate(schedule, rel)
+            self._simulations[key] = (result.makespan, result.bubble_rate)
+        makespan, bubble = self._simulations[key]
+        return makespan * scale, bubble
+
+    def _ranks(self, point: GridPoint, shares, single: bool) -> _Rank:
+        sizes = activation_sizes(self.model, self.training, point.tp, point.micro_batch_size)
+        chunks = tuple(tuple(chunk_bytes(c, sizes) for c in rank) for rank in shares)
+        static = tuple(static_memory(self.model, self.training, rank, point.tp, point.dp, single)
+                       for rank in shares)
+        return _Rank(chunks, static, shares)
+
+    # -- one configuration --------------------------------------------------------------------
+    def evaluate(self, point: GridPoint, name: str) -> Prediction:
+        """The prediction for ``point`` under the fixed schedule ``name`` (at PP 1: none)."""
+        if point.pp == 1:
+            return self._no_pipeline(point, ParallelLayout(
+                point.dp, point.tp, 1, point.micro_batch_size, NO_PIPELINE))
+        layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, name)
+        probe = self.schedule(name, point.pp, min(point.microbatches, _PROBE * point.pp))
+        if isinstance(probe, ScheduleError):
+            return Prediction(layout, point.microbatches, False, str(probe), "schedule")
+        try:
+            shares = rank_shares(self.model, probe.placement)
+        except ValueError as err:
+            return Prediction(layout, point.microbatches, False, str(err), "layers")
+        ranks = self._ranks(point, shares, single=False)
+        peaks = peak_activation_bytes(probe, ranks.chunks)
+        if max(s.total + a for s, a in zip(ranks.static, peaks)) > self.cluster.budget_bytes:
+            return self._memory_failure(point, layout, ranks, peaks,
+                                        "parameters, optimizer state and activations")
+        schedule = self.schedule(name, point.pp, point.microbatches)
+        if isinstance(schedule, ScheduleError):
+            return Prediction(layout, point.microbatches, False, str(schedule), "schedule")
+        peaks = peak_activation_bytes(schedule, ranks.chunks)
+        return self._finish(point, layout, ranks, peaks, schedule.description,
+                            lambda costs: self._simulate(name, schedule, costs))
+
+    def evaluate_auto(self, point: GridPoint) -> Prediction:
+        """``auto``: the fastest V schedule under the memory the tightest rank has left."""
+        layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, "auto")
+        try:
+            shares = rank_shares(self.model, Placement(point.pp, StageLayout.V))
+        except ValueError as err:
+            return Prediction(layout, point.microbatches, False, str(err), "layers")
+        ranks = self._ranks(point, shares, single=False)
+        costs = rank_costs(shares, self.times(point.tp, point.micro_batch_size), self.hop(point))
+        free = [self.cluster.budget_bytes - s.total for s in ranks.static]
+        if min(free) <= 0:
+            return self._memory_failure(point, layout, ranks, (0.0,) * point.pp,
+                                        "parameters and optimizer state alone")
+        # the search counts memory in units of a rank's share; B keeps what W needs
+        unit = [sum(c.forward for c in chunks) for chunks in ranks.chunks]
+        kept = min(1.0, max(sum(c.wgrad for c in ch) / sum(c.forward for c in ch)
+                            for ch in ranks.chunks))
+        memory = MemoryModel(1.0, -(1.0 - kept), -kept)
+        limit = min(memory_limit_units(point.pp, point.microbatches, limit_bytes=f,
+                                       activation_bytes=u) for f, u in zip(free, unit))
+        for _ in range(_AUTO_RETRIES):
+            try:
+                found = search(point.pp, point.microbatches, costs, limit, memory)
+            except InfeasibleMemoryError as err:
+                return Prediction(layout, point.microbatches, False, str(err), "search")
+            peaks = peak_activation_bytes(found.schedule, ranks.chunks)
+            over = max(p / f for p, f in zip(peaks, free))
+            if over <= 1.0:
+                break
+            limit /= over * 1.001  # the search's one-unit model missed uneven chunks: tighten
+        schedule = found.schedule
+        result = found.result
+        return self._finish(point, layout, ranks, peaks, schedule.description,
+                            lambda _: (result.makespan, result.bubble_rate))
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _no_pipeline(self, point: GridPoint, layout: ParallelLayout) -> Prediction:
+        shares = whole_model_share(self.model)
+        ranks = self._ranks(point, shares, single=True)
+        peaks = (ranks.chunks[0][0].forward,)  # one microbatch at a time (fused backward)
+
+        def run(costs: Costs) -> tuple[float, float]:
+            per = costs.forward[0] + costs.backward[0] + costs.weight[0]
+            return point.microbatches * per, 0.0
+
+        return self._finish(point, layout, ranks, peaks,
+                            "no pipeline: gradient accumulation over the microbatches", run)
+
+    def _memory_failure(self, point, layout, ranks: _Rank, peaks, what: str) -> Prediction:
+        totals = [s.total + a for s, a in zip(ranks.static, peaks)]
+        r = max(range(len(totals)), key=totals.__getitem__)
+        c = self.cluster
+        reason = (f"memory: {what} need {totals[r] / GIB:.1f} GiB on pipeline rank {r}, "
+                  f"{c.budget_bytes / GIB:.1f} GiB available ({c.gpu_memory_gib:g} GiB GPU - "
+                  f"{c.reserved_gib:g} GiB reserved)")
+        s = ranks.static[r]
+        return Prediction(layout, point.microbatches, False, reason, "memory", r, peaks[r],
+                          s.weights, s.gradients, s.optimizer, tuple(peaks))
+
+    def _finish(self, point: GridPoint, layout: ParallelLayout, ranks: _Rank, peaks,
+                description: str, run: Callable[[Costs], tuple[float, float]]) -> Prediction:
+        totals = [s.total + a for s, a in zip(ranks.static, peaks)]
+        if max(totals) > self.cluster.budget_bytes:
+            return self._memory_failure(point, layout, ranks, peaks,
+                                        "parameters, optimizer state and activations")
+        r = max(range(len(totals)), key=totals.__getitem__)
+        times = self.times(point.tp, point.micro_batch_size)
+        hop = self.hop(point)
+        makespan, bubble = run(rank_costs(ranks.shares, times, hop))
+        params = max(s.parameters for s in ranks.static)
+        exposed = dp_seconds(self.training, self.cluster, params, point.tp, point.dp)
+        iteration = makespan + exposed
+        tokens = self.training.global_batch * self.training.seq_length
+        flops = model_flops_per_sample(self.model, self.training.seq_length)
+        s = ranks.static[r]
+        return Prediction(
+            layout, point.microbatches, True, "", "", r, peaks[r], s.weights, s.gradients,
+            s.optimizer, tuple(peaks), iteration, bubble, exposed, hop,
+            tokens / iteration / self.cluster.gpus,
+            flops * self.training.global_batch / iteration / self.cluster.gpus / 1e12,
+            times.source, description)

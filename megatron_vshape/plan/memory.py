@@ -1,0 +1,183 @@
+"""Bytes per GPU: activations kept for backward, parameters, gradients, optimizer state.
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (section 4), term by term so that GQA, SwiGLU, fp32, dropout 0 and flash
+attention change exactly the terms they touch. Per layer and microbatch (s tokens, b samples,
+h hidden, f MLP width, a heads, e bytes per element, TP t, sp = t with sequence parallel else 1)::
+
+    e sb (h + kv)/t   query, key, value (kv = key+value width; 2h without GQA)
+    e sb h/t          attention-projection input
+    e sb f/t x 2      MLP: activation-function input and second linear's input (SwiGLU 3f/t)
+    e sb 4h/sp        two layernorm inputs, the QKV and first MLP linear inputs
+    sb 2h/sp          two dropout masks, one byte each (dropout > 0; CPU torch: e bytes)
+    e a s^2 b/t       softmax output; with dropout also its mask (1 byte) and output
+                      flash attention instead: 4 a s b/t (fp32 softmax statistics)
+
+which is sbh(34 + 5as/h)/t in bf16 with f = 4h, dropout, sequence parallel and no flash
+attention. Stage 0 adds the token and position ids (and the embedding dropout mask); the last
+stage the final layernorm and LM head inputs and the loss's fp32 softmax, 4 sbV/t bytes.
+
+With a B/W split (paper, section 2) W needs each linear layer's input and output gradient:
+after B a chunk keeps those (:func:`activation_sizes`' ``wgrad``), after W nothing. The LM
+head's weight gradient is computed in B (the plugin does not defer it), so the last stage
+keeps nothing for W. A rank's peak is found by walking its schedule in order
+(:func:`peak_activation_bytes`): F adds a chunk's activations, B replaces them by what W
+needs, W frees that, a fused BW frees everything.
+
+Parameters: mixed-precision Adam needs 2 (bf16 weight) + 4 (fp32 main gradient) + 12 (fp32
+master weight and two moments) bytes per parameter; the distributed optimizer divides the 12
+by DP. Column- and row-parallel matrices, column biases and the vocabulary are divided by TP;
+layernorms, row-parallel biases and position embeddings are replicated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..schedule.actions import PassKind
+from ..schedule.schedule import Schedule
+from .model import ModelConfig
+from .settings import TrainingConfig
+from .shares import ChunkShare
+
+__all__ = ["ActivationSizes", "ChunkBytes", "StaticMemory", "activation_sizes", "chunk_bytes",
+           "peak_activation_bytes", "static_memory", "chunk_parameters"]
+
+
+@dataclass(frozen=True)
+class ActivationSizes:
+    """Bytes one microbatch keeps for backward, per part of the model, on one TP rank."""
+
+    layer: float
+    """One transformer layer, from its forward to its backward."""
+    wgrad: float
+    """One transformer layer, from B to W: linear inputs and output gradients."""
+    embedding: float
+    head: float
+    """Final layernorm, LM head and loss."""
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """One chunk's activation bytes for one microbatch."""
+
+    forward: float
+    """Kept from F until B (or BW)."""
+    wgrad: float
+    """Kept from B until W."""
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Bytes that do not depend on the schedule, on one rank."""
+
+    parameters: float
+    """Parameters held (count, not bytes)."""
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
+                     micro_batch_size: int) -> ActivationSizes:
+    """The Korthikanti et al. terms of the module docstring, for one microbatch."""
+    e, s, b = training.element_bytes, training.seq_length, micro_batch_size
+    h, f, a = model.hidden_size, model.ffn, model.num_attention_heads
+    kv = 2 * model.query_groups * model.head_dim
+    sp = tp if training.sequence_parallel and tp > 1 else 1
+    tokens = s * b
+    mlp_in = 2 * f if model.swiglu else f  # the first MLP linear's output width
+    split = e * tokens * ((h + kv) + h + mlp_in + f) / tp
+    replicated = e * tokens * 4 * h / sp
+    mask = training.dropout_mask_bytes if training.dropout else 0
+    masks = 2 * mask * tokens * h / sp
+    if training.flash_attention:
+        attention = 4 * a * s * b / tp
+    else:
+        scores = a * s * s * b / tp
+        attention = e * scores + ((mask + e) * scores if training.dropout else 0.0)
+    inputs = e * tokens * (2 * h / sp + h / tp + f / tp)
+    output_grads = e * tokens * ((h + kv) / tp + mlp_in / tp + 2 * h)
+    ids = 2 * 8 * tokens  # int64 token and position ids
+    embedding = ids + mask * tokens * h / sp
+    head = 2 * e * tokens * h / sp + 4 * tokens * model.vocab_size / tp + 9 * tokens
+    return ActivationSizes(split + replicated + masks + attention, inputs + output_grads,
+                           embedding, head)
+
+
+def chunk_bytes(share: ChunkShare, sizes: ActivationSizes) -> ChunkBytes:
+    forward = (share.layers * sizes.layer + share.embedding * sizes.embedding
+               + share.head * sizes.head)
+    return ChunkBytes(forward, share.layers * sizes.wgrad)
+
+
+def peak_activation_bytes(schedule: Schedule, chunks: Sequence[Sequence[ChunkBytes]]
+                          ) -> tuple[float, ...]:
+    """Per rank, the most bytes kept for backward at once while running its order.
+
+    ``chunks[rank][chunk]``: that chunk's :class:`ChunkBytes`. B can also grow memory (with
+    large TP the gathered output gradients W keeps outweigh what B frees).
+    """
+    peaks = []
+    for rank in range(schedule.ranks):
+        level = peak = 0.0
+        for action in schedule.compute_actions(rank):
+            chunk = chunks[rank][schedule.placement.locate(action.stage)[1]]
+            if action.kind is PassKind.F:
+                level += chunk.forward
+            elif action.kind is PassKind.B:
+                level += chunk.wgrad - chunk.forward
+            elif action.kind is PassKind.W:
+                level -= chunk.wgrad
+            else:  # BW
+                level -= chunk.forward
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _layer_parameters(model: ModelConfig, tp: int) -> float:
+    """One layer's parameters on one TP rank (sums to ``model.layer_parameters()`` at TP 1)."""
+    h, f = model.hidden_size, model.ffn
+    kv = 2 * model.query_groups * model.head_dim
+    mlp_in = 2 * f if model.swiglu else f
+    column = h * (h + kv) + (h + kv) + h * mlp_in + mlp_in  # QKV and first MLP linear
+    row = h * h + f * h                                      # their weights only
+    replicated = 2 * h + 4 * h                               # row biases, two layernorms
+    return (column + row) / tp + replicated
+
+
+def chunk_parameters(model: ModelConfig, share: ChunkShare, tp: int, seq_length: int,
+                     single_chunk_model: bool = False) -> float:
+    """Parameters of one chunk on one TP rank.
+
+    The LM head holds its own copy of the word embedding unless embeddings are tied and the
+    whole model is one chunk (with a pipeline, megatron keeps a tied copy on the last stage,
+    and the V keeps two Parameters on rank 0).
+    """
+    h, vocab = model.hidden_size, model.vocab_size
+    count = share.layers * _layer_parameters(model, tp)
+    if share.embedding:
+        positions = max(seq_length, model.max_position_embeddings or 0)
+        count += vocab * h / tp + positions * h
+    if share.head:
+        count += 2 * h
+        tied_here = share.embedding and not model.untie_embeddings_and_output_weights
+        if not (tied_here and single_chunk_model):
+            count += vocab * h / tp
+    return count
+
+
+def static_memory(model: ModelConfig, training: TrainingConfig, chunks: Sequence[ChunkShare],
+                  tp: int, dp: int, single_chunk_model: bool = False) -> StaticMemory:
+    """Weights, main gradients and optimizer state of one rank's chunks."""
+    count = sum(chunk_parameters(model, c, tp, training.seq_length, single_chunk_model)
+                for c in chunks)
+    weight, grad, optimizer = training.parameter_bytes
+    if training.distributed_optimizer:
+        optimizer = optimizer / dp
+    return StaticMemory(count, count * weight, count * grad, count * optimizer)
