@@ -186,6 +186,25 @@ LOOP = {"per_token": True, "relay": True, "timers": True, "param_sync": True,
         "align_grad_reduce": True, "replan_after": 1, "memory_limit": "0.75"}
 
 
+def _assert_step_equal(values, name, step, last_rank, num_losses):
+    """One step of ``name`` against megatron's 1F1B (raw per-rank results): losses only on the
+    last pipeline rank, where Megatron-LM reads them, equal to 1e-5; every gradient (per-token
+    scaling included) equal to 1e-5. Returns ``name``'s per-rank results of that step."""
+    ref = [v["1f1b"][step] for v in values]
+    got = [v[name][step] for v in values]
+    assert [bool(r["losses"]) for r in got] == [r["pp_rank"] == last_rank for r in got]
+    ref_losses = sorted(x for r in ref for x in r["losses"])
+    got_losses = sorted(x for r in got for x in r["losses"])
+    assert len(got_losses) == len(ref_losses) == num_losses
+    assert max(abs(a - b) for a, b in zip(got_losses, ref_losses)) < 1e-5
+    ref_grads = {k: g for r in ref for k, g in r["grads"].items()}
+    got_grads = {k: g for r in got for k, g in r["grads"].items()}
+    assert set(got_grads) == set(ref_grads)
+    for key, grad in got_grads.items():
+        assert (grad - ref_grads[key]).abs().max().item() < 1e-5, key
+    return got
+
+
 @pytest.fixture(scope="module")
 def pp4_training_loop():
     """PP = 4 under DDP with overlap_grad_reduce and align_grad_reduce (config.grad_sync_func:
@@ -201,19 +220,7 @@ def pp4_training_loop():
 def test_training_loop_hooks_match_megatrons_1f1b(name, pp4_training_loop):
     values = pp4_training_loop
     for step in range(STEPS):
-        ref = [v["1f1b"][step] for v in values]
-        got = [v[name][step] for v in values]
-        # losses where Megatron-LM reads them: the last pipeline rank only
-        assert [bool(r["losses"]) for r in got] == [r["pp_rank"] == 3 for r in got]
-        ref_losses = [x for r in ref for x in r["losses"]]
-        got_losses = [x for r in got for x in r["losses"]]
-        assert len(got_losses) == len(ref_losses) == 4
-        assert max(abs(a - b) for a, b in zip(got_losses, ref_losses)) < 1e-5
-        ref_grads = {k: g for r in ref for k, g in r["grads"].items()}
-        got_grads = {k: g for r in got for k, g in r["grads"].items()}
-        assert set(got_grads) == set(ref_grads)
-        for key, grad in got_grads.items():  # per-token scaling: same 1/num_tokens as megatron
-            assert (grad - ref_grads[key]).abs().max().item() < 1e-5, key
+        got = _assert_step_equal(values, name, step, last_rank=3, num_losses=4)
         for r in got:  # timer starts so far (cumulative over steps)
             assert r["timers"].get("forward-backward") == step + 1
             assert r["timers"].get("forward-compute", 0) >= 8 * (step + 1)  # 2 chunks x 4 mbs
@@ -268,17 +275,6 @@ def pp2_tp2_megatron_lm():
 def test_megatron_lm_entry_pieces_equal_megatrons_1f1b(name, pp2_tp2_megatron_lm):
     values = pp2_tp2_megatron_lm
     for step in range(STEPS):
-        ref = [v["1f1b"][step] for v in values]
-        got = [v[name][step] for v in values]
-        assert [bool(r["losses"]) for r in got] == [r["pp_rank"] == 1 for r in got]
-        ref_losses = sorted(x for r in ref for x in r["losses"])
-        got_losses = sorted(x for r in got for x in r["losses"])
-        assert len(got_losses) == len(ref_losses) == 8  # 4 microbatches x 2 TP ranks
-        assert max(abs(a - b) for a, b in zip(got_losses, ref_losses)) < 1e-5
-        ref_grads = {k: g for r in ref for k, g in r["grads"].items()}
-        got_grads = {k: g for r in got for k, g in r["grads"].items()}
-        assert set(got_grads) == set(ref_grads)
-        for key, grad in got_grads.items():
-            assert (grad - ref_grads[key]).abs().max().item() < 1e-5, key
+        got = _assert_step_equal(values, name, step, last_rank=1, num_losses=8)  # 4 mbs x 2 TP
         assert all(r["w_ran"] > 0 for r in got)
         assert all(r["timers"].get("batch-generator", 0) > 0 for r in got if r["pp_rank"] == 0)
