@@ -14,7 +14,7 @@ exceed the bound waits, and a W runs to make room.
 from __future__ import annotations
 
 from .actions import Action, PassKind, ScheduleError
-from .deps import completion_key, dependencies
+from .deps import completion_key, dependency_table
 from .placement import Placement
 
 __all__ = ["cool_down"]
@@ -48,14 +48,15 @@ class _RankCursor:
 
 def cool_down(orders, placement: Placement, cap: int) -> list[list[Action]]:
     """Reorder each rank's tail as in the module docstring; ``cap`` in chunk-activations."""
-    stages = placement.num_stages
+    microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
+    table = dependency_table(placement.num_stages, microbatches)
     finished: dict[Action, int] = {}
     cursors = [_RankCursor(order, placement, r) for r, order in enumerate(orders)]
     t, idle_since = 0, 0
     while not all(c.done for c in cursors):
         started = []
         for cursor in cursors:
-            action = _pick(cursor, finished, stages, t, cap)
+            action = _pick(cursor, finished, table, t, cap)
             if action is not None:
                 cursor.take(action)
                 started.append(action)
@@ -69,16 +70,16 @@ def cool_down(orders, placement: Placement, cap: int) -> list[list[Action]]:
     return [c.out for c in cursors]
 
 
-def _ready(action: Action, finished, stages: int, t: int) -> bool:
-    return all(finished.get(dep, _INF) <= t for dep in dependencies(action, stages))
+def _ready(action: Action, finished, table: dict, t: int) -> bool:
+    return all(finished.get(dep, _INF) <= t for dep in table[action])
 
 
-def _pick(cursor: _RankCursor, finished, stages: int, t: int, cap: int) -> Action | None:
+def _pick(cursor: _RankCursor, finished, table: dict, t: int, cap: int) -> Action | None:
     if cursor.tail is None:
         if cursor.next == len(cursor.order):
             return None
         action = cursor.order[cursor.next]
-        if not _ready(action, finished, stages, t):
+        if not _ready(action, finished, table, t):
             return None
         cursor.next += 1
         if cursor.next > cursor.switch:
@@ -91,9 +92,9 @@ def _pick(cursor: _RankCursor, finished, stages: int, t: int, cap: int) -> Actio
             continue
         if action.kind is F and cursor.memory + 1 > cap:
             continue
-        if _ready(action, finished, stages, t):
+        if _ready(action, finished, table, t):
             return tail.pop(index)
     for index, action in enumerate(tail):
-        if action.kind is W and _ready(action, finished, stages, t):
+        if action.kind is W and _ready(action, finished, table, t):
             return tail.pop(index)
     return None

@@ -12,9 +12,11 @@ placement's business: the V's turn at rank p-1 and the loss at rank 0 are local.
 """
 from __future__ import annotations
 
+import functools
+
 from .actions import Action, PassKind
 
-__all__ = ["dependencies", "completion_key"]
+__all__ = ["dependencies", "completion_key", "dependency_table"]
 
 _F, _B, _W, _BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
 
@@ -42,3 +44,16 @@ def dependencies(action: Action, num_stages: int) -> tuple[Action, ...]:
     if kind is _W:
         return (Action(_B, stage, mb),)
     raise ValueError(f"dependencies are defined for compute actions only, got {action}")
+
+
+@functools.lru_cache(maxsize=4)
+def dependency_table(num_stages: int, microbatches: int) -> dict[Action, tuple[Action, ...]]:
+    """:func:`dependencies` of every compute action of ``microbatches`` microbatches, built
+    once per shape and shared read-only by the passes that look them up many times."""
+    table = {}
+    for kind in (_F, _B, _W, _BW):
+        for stage in range(num_stages):
+            for mb in range(microbatches):
+                action = Action(kind, stage, mb)
+                table[action] = dependencies(action, num_stages)
+    return table

@@ -17,6 +17,7 @@ The returned orders are what the simulator then times: the same costs give the s
 """
 from __future__ import annotations
 
+import functools
 import heapq
 
 from .actions import Action, PassKind, ScheduleError
@@ -27,6 +28,7 @@ from .placement import Placement
 __all__ = ["timed_list_schedule"]
 
 F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
+_TOLERANCE = 1e-12
 
 
 class _Rank:
@@ -63,19 +65,25 @@ def timed_list_schedule(
     """
     delta = {F: memory.forward, B: memory.backward, W: memory.weight, BW: memory.backward + memory.weight}
     ranks = [_Rank(o, placement, r, _durations(costs, placement, r)) for r, o in enumerate(orders)]
-    rank_of = [placement.rank_of(s) for s in range(placement.num_stages)]
-    waits = {
-        action: tuple((dep, costs.comm if rank_of[dep.stage] != r else 0.0)
-                      for dep in dependencies(action, placement.num_stages))
-        for r, order in enumerate(orders) for action in order
-    }
+    microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
+    kinds = frozenset(a.kind for order in orders for a in order)
+    waits, wakes = _wait_tables(placement, costs.comm, microbatches, kinds)
     finished: dict[Action, float] = {}
-    events = [0.0]
-    now = 0.0
-    while any(r.rest for r in ranks):
-        progressed = False
-        for index, state in enumerate(ranks):
-            if not state.rest or state.free_at > now:
+    events = [0.0]  # every time something ends or arrives: when ranks may act
+    wake = [(0.0, r) for r in range(len(ranks))]  # (time, rank): when a rank may have work
+    while events:
+        now = heapq.heappop(events)
+        while events and events[0] <= now:
+            heapq.heappop(events)
+        due = set()
+        while wake and wake[0][0] <= now + _TOLERANCE:
+            due.add(heapq.heappop(wake)[1])
+        for index in sorted(due):
+            state = ranks[index]
+            if state.free_at > now:  # its own end wakes it again
+                heapq.heappush(wake, (state.free_at, index))
+                continue
+            if not state.rest:
                 continue
             action = _pick(state, waits, finished, now, cap, delta, window)
             if action is None:
@@ -86,25 +94,42 @@ def timed_list_schedule(
             state.out.append(action)
             if action.kind is F:
                 state.forwards[state.stages.index(action.stage)] += 1
-            finished[completion_key(action)] = end
+            key = completion_key(action)
+            finished[key] = end
             heapq.heappush(events, end)
             if costs.comm:
                 heapq.heappush(events, end + costs.comm)
-            progressed = True
-        if progressed:
-            continue
-        while events and events[0] <= now:
-            heapq.heappop(events)
-        if not events:
-            stuck = [(i, r.rest[0]) for i, r in enumerate(ranks) if r.rest]
-            raise ScheduleError(f"memory limit {cap:g} chunk-activations leaves ranks waiting: {stuck[:4]}")
-        now = heapq.heappop(events)
+            heapq.heappush(wake, (end, index))
+            for rank, delay in wakes.get(key, ()):
+                heapq.heappush(wake, (end + delay, rank))
+    if any(r.rest for r in ranks):
+        stuck = [(i, r.rest[0]) for i, r in enumerate(ranks) if r.rest]
+        raise ScheduleError(f"memory limit {cap:g} chunk-activations leaves ranks waiting: {stuck[:4]}")
     return tuple(tuple(r.out) for r in ranks)
+
+
+@functools.lru_cache(maxsize=4)
+def _wait_tables(placement: Placement, comm: float, microbatches: int, kinds: frozenset):
+    """What each pass waits for (dependency, hop delay) and, inverted, which ranks to wake
+    when a pass completes; shared by every replay of the same setting (read-only)."""
+    stages = placement.num_stages
+    waits: dict[Action, tuple] = {}
+    wakes: dict[Action, list[tuple[int, float]]] = {}
+    for stage in range(stages):
+        rank = placement.rank_of(stage)
+        for microbatch in range(microbatches):
+            for kind in kinds:
+                action = Action(kind, stage, microbatch)
+                waits[action] = tuple((dep, comm if placement.rank_of(dep.stage) != rank else 0.0)
+                                      for dep in dependencies(action, stages))
+                for dep, delay in waits[action]:
+                    wakes.setdefault(dep, []).append((rank, delay))
+    return waits, wakes
 
 
 def _pick(state: _Rank, waits, finished, now, cap, delta, window) -> Action | None:
     """The first pass within ``window`` of the head that is ready at ``now`` and fits."""
-    limit = now + 1e-12
+    limit = now + _TOLERANCE
     for position, action in enumerate(state.rest[:window]):
         if action.kind is F and not _fits(state, action, cap, delta, window > 1):
             continue

@@ -1,0 +1,72 @@
+"""The adaptive search's shortcuts change its speed, never its answers (issue 3, speed targets)."""
+import itertools
+
+import pytest
+
+from megatron_vshape.schedule import Costs, Schedule, ScheduleError, build_schedule, search
+from megatron_vshape.schedule.costs import MemoryModel
+from megatron_vshape.schedule.deps import dependencies, dependency_table
+from megatron_vshape.schedule.family import VOffsets, _distinct, _slots, v_block, v_family
+from megatron_vshape.schedule.search import (InfeasibleMemoryError, _lifespan_bound, _probe_peak,
+                                             _search_cached, _steady)
+from megatron_vshape.schedule.simulate import peak_memory
+from megatron_vshape.schedule.timed import timed_list_schedule
+
+
+@pytest.mark.parametrize("p", range(2, 13))
+def test_lifespan_bound_never_exceeds_the_steady_peak(p):
+    """A family block is skipped when this bound exceeds the limit, so it must be a bound."""
+    for offsets in v_family(p):
+        block = v_block(p, offsets)
+        if block is None:
+            continue
+        for m in (4 * p, 8 * p):
+            if _steady(block, m):
+                assert _lifespan_bound(block) <= _probe_peak(block, m, MemoryModel()), offsets
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 9, 16])
+def test_v_block_takes_the_first_gaps_by_sum(p):
+    """The prefix checks in v_block find what trying every gap triple in order finds."""
+    triples = sorted(itertools.product(range(1, 7), repeat=3), key=sum)
+    for offsets in v_family(p):
+        first = next((g for g in triples if _distinct(_slots(p, offsets, g))), None)
+        block = v_block(p, offsets)
+        assert (block is None) == (first is None)
+        if block is not None:
+            expected = [tuple(sorted(s.items(), key=lambda kv: kv[1])) for s in _slots(p, offsets, first)]
+            assert list(block.slots) == expected
+
+
+def test_v_family_splits():
+    assert {o.split for o in v_family(16) if o.k1 != o.k2} == {2, 4, 6, 8, 10, 12, 14}
+    assert {o.split for o in v_family(8) if o.k1 != o.k2} == {1, 2, 3, 4, 5, 6}
+    assert VOffsets(3, 1, 5) in v_family(16) or VOffsets(3, 1, 6) in v_family(16)
+
+
+def test_dependency_table_is_the_dependency_rule():
+    table = dependency_table(8, 5)
+    assert len(table) == 4 * 8 * 5
+    assert all(deps == dependencies(action, 8) for action, deps in table.items())
+
+
+def test_replay_keeps_the_cap_and_every_pass():
+    p, m = 8, 32
+    base = build_schedule("v-half", p, m)
+    costs = Costs.build(p, 1, 1.2, 0.8, comm=0.1)
+    orders = timed_list_schedule(base.rank_actions, base.placement, costs, cap=10, window=4)
+    replayed = Schedule("replayed", base.placement, m, orders)
+    assert [set(o) for o in orders] == [set(o) for o in base.rank_actions]
+    assert max(peak_memory(replayed)) <= 5
+    with pytest.raises(ScheduleError, match="leaves ranks waiting"):
+        timed_list_schedule(base.rank_actions, base.placement, costs, cap=1, window=4)
+
+
+def test_infeasible_error_still_names_the_smallest_peak_of_every_block():
+    """Skipped family blocks are probed when nothing fits, so the error stays exact."""
+    _search_cached.cache_clear()
+    with pytest.raises(InfeasibleMemoryError) as err:
+        search(16, 64, Costs.build(16), 1.0)
+    smallest = min(_probe_peak(v_block(16, o), 64, MemoryModel()) for o in v_family(16)
+                   if v_block(16, o) is not None)
+    assert err.value.smallest <= smallest
