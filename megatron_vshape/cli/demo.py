@@ -93,7 +93,7 @@ def _rows(settings, runs) -> list[dict]:
     costs = _measured_costs(settings, runs)
     rows = []
     for name, run in runs.items():
-        schedule = _final_schedule(settings, name, costs)
+        schedule = run.last_schedule or build_schedule(name, settings.ranks, settings.microbatches)
         rows.append({
             "schedule": name, "final_loss": sum(run.losses[-1]) / len(run.losses[-1]),
             "max_loss_diff": max(abs(a - b) for got, want in zip(run.losses, ref.losses)
@@ -116,19 +116,6 @@ def _measured_costs(settings, runs):
         if name in runs and runs[name].costs is not None:
             return runs[name].costs
     return None
-
-
-def _final_schedule(settings, name, costs):
-    """The schedule a run ended with (auto: searched again from the same measured costs)."""
-    from ..schedule import build_schedule
-    from ..schedule.limits import MemoryLimit
-
-    if name != "auto":
-        return build_schedule(name, settings.ranks, settings.microbatches)
-    limit = MemoryLimit.parse(settings.memory_limit)
-    units = limit.units(settings.ranks, settings.microbatches) if limit.fraction else None
-    return build_schedule("auto", settings.ranks, settings.microbatches, costs=costs,
-                          memory_limit=units)
 
 
 def _print_table(settings, rows, runs) -> None:
@@ -161,8 +148,7 @@ def _pictures(settings, runs, rows, out: Path) -> list[Path]:
 
     written = []
     for row, (name, run) in zip(rows, runs.items()):
-        template = build_schedule(name if name != "auto" else "v-half", settings.ranks,
-                                  settings.microbatches)
+        template = run.last_schedule or build_schedule(name, settings.ranks, settings.microbatches)
         if run.timeline and all(run.timeline):
             actions = tuple(tuple(parse_action(a) for a, _, _ in rank) for rank in run.timeline)
             schedule = Schedule(name, template.placement, settings.microbatches, actions,

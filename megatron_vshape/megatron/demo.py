@@ -61,7 +61,8 @@ class ScheduleRun:
     grads: list
     """Per step, {global parameter name: gradient} over all ranks."""
     peak_bytes: list
-    """Per rank: the peak bytes kept for backward over the steps."""
+    """Per rank: the peak bytes kept for backward over the steps of the last plan (auto
+    re-plans after its first step; the table compares the schedule that ran last)."""
     step_seconds: float
     """Median over the steps after the first, slowest rank."""
     timeline: list = field(default_factory=list)
@@ -70,6 +71,8 @@ class ScheduleRun:
     """auto: (iterations before, schedule description) of each plan."""
     costs: object = None
     """Measured F, B, W per rank (schedule.Costs) where the schedule splits B and W."""
+    last_schedule: object = None
+    """The schedule that ran last (None for megatron's own 1F1B)."""
 
 
 def run_schedules(settings: DemoSettings, schedules, on_done=None) -> dict[str, ScheduleRun]:
@@ -115,10 +118,17 @@ def _merge(schedule: str, values: list) -> ScheduleRun:
     return ScheduleRun(
         schedule=schedule,
         losses=[[x for v in values for x in v["losses"][s]] for s in range(steps)],
-        grads=grads, peak_bytes=[v["peak"] for v in values],
+        grads=grads, peak_bytes=[max(v["peaks"][_plan_start(values[0]["plans"]):])
+                                 for v in values],
         step_seconds=statistics.median(seconds[1:] or seconds),
         timeline=[_aligned(v["timeline"], min(x["started"] for x in values)) for v in values],
-        plans=values[0]["plans"], costs=values[0]["costs"])
+        plans=values[0]["plans"], costs=values[0]["costs"],
+        last_schedule=values[0]["schedule"])
+
+
+def _plan_start(plans) -> int:
+    """The first step of the last plan (0 without plans)."""
+    return plans[-1][0] if plans else 0
 
 
 def _aligned(timeline, origin):
@@ -191,7 +201,7 @@ def _train(settings: DemoSettings, chunks, fb) -> dict:
     tracker = ActivationTracker([p for c in chunks for p in c.parameters()])
     for store in (store_of(c) for c in chunks):
         store.tracker = tracker
-    out = {"losses": [], "grads": [], "seconds": [], "peak": 0}
+    out = {"losses": [], "grads": [], "seconds": [], "peaks": []}
     for step in range(settings.steps):
         for p in (p for c in chunks for p in c.parameters()):
             p.grad = None
@@ -210,7 +220,7 @@ def _train(settings: DemoSettings, chunks, fb) -> dict:
             _sum_tied_grads_1f1b(chunks[0])
         out["losses"].append([d["lm loss"].item() for d in losses])
         out["grads"].append(global_grads(chunks))
-        out["peak"] = max(out["peak"], tracker.peak)
+        out["peaks"].append(tracker.peak)
         with torch.no_grad():  # plain SGD, so later iterations check updated weights too
             for p in (p for c in chunks for p in c.parameters() if p.grad is not None):
                 p -= 0.01 * p.grad
@@ -223,11 +233,11 @@ def _schedule_facts(fb, settings: DemoSettings) -> dict:
     """Timeline of the last step, plans and measured costs (our schedules only)."""
     step = getattr(fb, "last_step", None)
     if step is None:
-        return {"timeline": [], "plans": [], "costs": None, "started": 0.0}
+        return {"timeline": [], "plans": [], "costs": None, "started": 0.0, "schedule": None}
     timeline = [(str(a), s, e) for a, s, e in step.timeline]
     costs = fb.measured_costs(settings.microbatches)
     return {"timeline": (step.started, timeline), "plans": list(fb.plans), "costs": costs,
-            "started": step.started}
+            "started": step.started, "schedule": fb.last_schedule}
 
 
 def _sum_tied_grads_1f1b(model) -> None:

@@ -61,6 +61,8 @@ class VShapeForwardBackward:
     replanner: Replanner = field(default=None, repr=False)
     plans: list = field(default_factory=list, repr=False)
     """Every schedule built, in order: (training iterations before it, its description)."""
+    last_schedule: object = field(default=None, repr=False)
+    """The schedule of the latest call."""
     _relearn_ddp: bool = field(default=False, repr=False)
     _groups: dict = field(default_factory=dict, repr=False)
     _schedules: dict = field(default_factory=dict, repr=False)
@@ -146,7 +148,8 @@ class VShapeForwardBackward:
             self._schedules[key] = self._build(p, m)
             self.plans.append((self.replanner.steps, self._schedules[key].description))
             _log_schedule(self._schedules[key], self.costs, self.memory_limit)
-        return self._schedules[key]
+        self.last_schedule = self._schedules[key]
+        return self.last_schedule
 
     def _build(self, p, m):
         """The schedule for (p, m); ``auto`` under a byte limit starts as V-Min (the smallest
