@@ -272,33 +272,24 @@ def _relay_to_last_rank(store: list, pp_group) -> list:
     """Move rank 0's loss dicts to the last pipeline rank (collective on ranks 0 and p-1)."""
     rank, last = pp_group.rank(), pp_group.size() - 1
     if rank == 0:
-        torch.distributed.send_object_list([_to_cpu(store)], _pp_global_rank(pp_group, last),
-                                           group=pp_group)
+        torch.distributed.send_object_list([_map_tensors(store, lambda t: t.detach().cpu())],
+                                           _pp_global_rank(pp_group, last), group=pp_group)
         return []
     if rank == last:
         box = [None]
         torch.distributed.recv_object_list(box, _pp_global_rank(pp_group, 0), group=pp_group)
-        return _to_device(box[0])
+        return _map_tensors(box[0], lambda t: t.to(_device()))
     return store
 
 
-def _to_cpu(value):
+def _map_tensors(value, fn):
+    """``value`` (loss dicts: nested dicts, lists, tuples) with ``fn`` applied to its tensors."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
-def _to_device(value):
-    if isinstance(value, torch.Tensor):
-        return value.to(_device())
-    if isinstance(value, dict):
-        return {k: _to_device(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v) for v in value)
+        return type(value)(_map_tensors(v, fn) for v in value)
     return value
 
 
