@@ -77,29 +77,30 @@ def tensor_parallel_choices(model: ModelConfig, cluster: ClusterConfig,
     valid = tuple(t for t in range(1, min(cluster.gpus, cluster.gpus_per_node) + 1)
                   if cluster.gpus % t == 0 and model.num_attention_heads % t == 0
                   and model.query_groups % t == 0)
-    if space.tensor_parallel is None:
-        return valid
-    bad = [t for t in space.tensor_parallel if t not in valid]
-    if bad:
-        raise ValueError(f"--tp {bad} invalid for {model.name} on {cluster.gpus} GPUs "
-                         f"({cluster.gpus_per_node} per node; TP must divide the GPUs and the "
-                         f"{model.num_attention_heads} heads and fit a node); valid choices: "
-                         f"{', '.join(map(str, valid))}")
-    return space.tensor_parallel
+    return _chosen(space.tensor_parallel, valid, "--tp",
+                   f"for {model.name} on {cluster.gpus} GPUs ({cluster.gpus_per_node} per node; "
+                   f"TP must divide the GPUs and the {model.num_attention_heads} heads and fit a "
+                   "node)")
 
 
 def pipeline_parallel_choices(model: ModelConfig, cluster: ClusterConfig,
                               space: SearchSpace) -> tuple[int, ...]:
     valid = tuple(p for p in range(1, min(cluster.gpus, model.num_layers) + 1)
                   if cluster.gpus % p == 0)
-    if space.pipeline_parallel is None:
+    return _chosen(space.pipeline_parallel, valid, "--pp",
+                   f"for {model.name} on {cluster.gpus} GPUs (PP must divide the GPUs and not "
+                   f"exceed the {model.num_layers} layers)")
+
+
+def _chosen(given, valid: tuple[int, ...], flag: str, why: str) -> tuple[int, ...]:
+    """The user's choices (every valid one when none were given), refusing invalid ones."""
+    if given is None:
         return valid
-    bad = [p for p in space.pipeline_parallel if p not in valid]
+    bad = [v for v in given if v not in valid]
     if bad:
-        raise ValueError(f"--pp {bad} invalid for {model.name} on {cluster.gpus} GPUs (PP must "
-                         f"divide the GPUs and not exceed the {model.num_layers} layers); valid "
-                         f"choices: {', '.join(map(str, valid))}")
-    return space.pipeline_parallel
+        raise ValueError(f"{flag} {bad} invalid {why}; valid choices: "
+                         f"{', '.join(map(str, valid))}")
+    return given
 
 
 def grid_points(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
