@@ -238,6 +238,9 @@ def test_auto_replans_from_measured_costs_and_stays_equal(pp4_training_loop):
     assert [steps for steps, _ in last[0]["plans"]] == [0, 1]
     costs = last[0]["costs"]
     assert min(costs.forward + costs.backward + costs.weight) > 0
+    # the agreed costs are the mean over pipelines, on the scale of one pipeline's own profile
+    replanned = last[0]["replanned_costs"]
+    assert 0.5 < sum(replanned.forward) / sum(costs.forward) < 2
 
 
 def test_auto_under_a_byte_limit_measures_its_unit_then_replans():

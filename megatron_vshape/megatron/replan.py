@@ -87,7 +87,7 @@ class Replanner:
         values = torch.tensor(local.forward + local.backward + local.weight, dtype=torch.float64,
                               device=device)
         dist.all_reduce(values)
-        values /= dist.get_world_size() / dist.get_world_size(pp_group)  # mean over pipelines
+        values /= dist.get_world_size()  # every rank holds its pipeline's costs: the mean
         p = schedule.ranks
         f, b, w = (values[i * p:(i + 1) * p].tolist() for i in range(3))
         if self._peaks:
