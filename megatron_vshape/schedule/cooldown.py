@@ -71,7 +71,10 @@ def cool_down(orders, placement: Placement, cap: int) -> list[list[Action]]:
 
 
 def _ready(action: Action, finished, table: dict, t: int) -> bool:
-    return all(finished.get(dep, _INF) <= t for dep in table[action])
+    for dep in table[action]:  # at most one: a loop, not all(), in this hot path
+        if finished.get(dep, _INF) > t:
+            return False
+    return True
 
 
 def _pick(cursor: _RankCursor, finished, table: dict, t: int, cap: int) -> Action | None:

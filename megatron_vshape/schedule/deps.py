@@ -13,10 +13,14 @@ placement's business: the V's turn at rank p-1 and the loss at rank 0 are local.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from .actions import Action, PassKind
 
-__all__ = ["dependencies", "completion_key", "dependency_table"]
+if TYPE_CHECKING:
+    from .placement import Placement
+
+__all__ = ["dependencies", "completion_key", "dependency_table", "hop_table"]
 
 _F, _B, _W, _BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
 
@@ -56,4 +60,19 @@ def dependency_table(num_stages: int, microbatches: int) -> dict[Action, tuple[A
             for mb in range(microbatches):
                 action = Action(kind, stage, mb)
                 table[action] = dependencies(action, num_stages)
+    return table
+
+
+@functools.lru_cache(maxsize=4)
+def hop_table(placement: "Placement", microbatches: int) -> dict[Action, tuple]:
+    """Per compute action: (its completion key, its one dependency or None, whether that
+    dependency crosses ranks). Every action waits for at most one other, so the timing loops
+    (simulator, replay) read one entry instead of calling three functions per pass."""
+    stages = placement.num_stages
+    rank_of = [placement.rank_of(s) for s in range(stages)]
+    table = {}
+    for action, deps in dependency_table(stages, microbatches).items():
+        dep = deps[0] if deps else None
+        remote = dep is not None and rank_of[dep.stage] != rank_of[action.stage]
+        table[action] = (completion_key(action), dep, remote)
     return table

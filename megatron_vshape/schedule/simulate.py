@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .actions import Action, PassKind, ScheduleError
 from .costs import Costs, MemoryModel
-from .deps import completion_key, dependencies, dependency_table
+from .deps import dependencies, hop_table
 from .schedule import Schedule
 
 __all__ = ["SimResult", "simulate", "peak_memory", "action_durations", "DeadlockError"]
@@ -91,8 +91,7 @@ def peak_memory(schedule: Schedule, memory: MemoryModel = MemoryModel()) -> tupl
 
 def _time(schedule: Schedule, costs: Costs):
     """Start/end of every compute action, by dataflow: each rank advances until it blocks."""
-    p, stages = schedule.ranks, schedule.num_stages
-    rank_of = [schedule.placement.rank_of(s) for s in range(stages)]
+    p = schedule.ranks
     acts = [tuple(schedule.compute_actions(r)) for r in range(p)]
     dur = action_durations(schedule, costs)
     starts = [[0.0] * len(a) for a in acts]
@@ -101,38 +100,38 @@ def _time(schedule: Schedule, costs: Costs):
     waiting: dict[Action, list[int]] = {}
     ptr, clock = [0] * p, [0.0] * p
     pending = list(range(p))
-    table = dependency_table(stages, 1 + max((a.microbatch for mine in acts for a in mine), default=0))
-    while pending:
+    table = hop_table(schedule.placement, 1 + max((a.microbatch for mine in acts for a in mine), default=0))
+    comm = costs.comm
+    while pending:  # the search's hot loop: one table entry per pass, locals only
         r = pending.pop()
-        i, t, mine, dur_r = ptr[r], clock[r], acts[r], dur[r]
-        while i < len(mine):
+        i, t, mine, dur_r, start_r, end_r = ptr[r], clock[r], acts[r], dur[r], starts[r], ends[r]
+        count = len(mine)
+        while i < count:
             action = mine[i]
-            ready = t
-            deps = table.get(action)
-            for dep in dependencies(action, stages) if deps is None else deps:
+            key, dep, remote = table[action]
+            if dep is not None:
                 finished = done.get(dep)
                 if finished is None:
                     waiting.setdefault(dep, []).append(r)
                     break
-                if rank_of[dep.stage] != r:
-                    finished += costs.comm
-                ready = max(ready, finished)
-            else:
-                t = ready + dur_r[action.kind]
-                starts[r][i], ends[r][i] = ready, t
-                key = completion_key(action)
-                done[key] = t
-                pending.extend(waiting.pop(key, ()))
-                i += 1
-                continue
-            break
+                if remote:
+                    finished += comm
+                if finished > t:
+                    t = finished
+            start_r[i] = t
+            t += dur_r[action.kind]
+            end_r[i] = done[key] = t
+            woken = waiting.pop(key, None)
+            if woken:
+                pending.extend(woken)
+            i += 1
         ptr[r], clock[r] = i, t
     for r in range(p):
         if ptr[r] < len(acts[r]):
             action = acts[r][ptr[r]]
             raise DeadlockError(
                 f"rank {r} step {ptr[r]}: {action} (stage {action.stage}, microbatch "
-                f"{action.microbatch}) waits for {list(dependencies(action, stages))} forever",
+                f"{action.microbatch}) waits for {list(dependencies(action, schedule.num_stages))} forever",
                 r, ptr[r], action,
             )
     return acts, starts, ends, dur

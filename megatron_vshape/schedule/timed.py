@@ -22,7 +22,7 @@ import heapq
 
 from .actions import Action, PassKind, ScheduleError
 from .costs import Costs, MemoryModel
-from .deps import completion_key, dependencies
+from .deps import hop_table
 from .placement import Placement
 
 __all__ = ["timed_list_schedule"]
@@ -67,14 +67,12 @@ def timed_list_schedule(
     ranks = [_Rank(o, placement, r, _durations(costs, placement, r)) for r, o in enumerate(orders)]
     microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
     kinds = frozenset(a.kind for order in orders for a in order)
-    waits, wakes = _wait_tables(placement, costs.comm, microbatches, kinds)
+    table = hop_table(placement, microbatches)
+    wakes = _wake_table(placement, costs.comm, microbatches, kinds)
     finished: dict[Action, float] = {}
-    events = [0.0]  # every time something ends or arrives: when ranks may act
     wake = [(0.0, r) for r in range(len(ranks))]  # (time, rank): when a rank may have work
-    while events:
-        now = heapq.heappop(events)
-        while events and events[0] <= now:
-            heapq.heappop(events)
+    while wake:  # every end, and every arrival one hop later, wakes the ranks it concerns
+        now = wake[0][0]
         due = set()
         while wake and wake[0][0] <= now + _TOLERANCE:
             due.add(heapq.heappop(wake)[1])
@@ -85,7 +83,7 @@ def timed_list_schedule(
                 continue
             if not state.rest:
                 continue
-            action = _pick(state, waits, finished, now, cap, delta, window)
+            action = _pick(state, table, costs.comm, finished, now, cap, delta, window)
             if action is None:
                 continue
             end = now + state.durations[action.kind]
@@ -94,11 +92,8 @@ def timed_list_schedule(
             state.out.append(action)
             if action.kind is F:
                 state.forwards[state.stages.index(action.stage)] += 1
-            key = completion_key(action)
+            key = table[action][0]
             finished[key] = end
-            heapq.heappush(events, end)
-            if costs.comm:
-                heapq.heappush(events, end + costs.comm)
             heapq.heappush(wake, (end, index))
             for rank, delay in wakes.get(key, ()):
                 heapq.heappush(wake, (end + delay, rank))
@@ -109,36 +104,31 @@ def timed_list_schedule(
 
 
 @functools.lru_cache(maxsize=4)
-def _wait_tables(placement: Placement, comm: float, microbatches: int, kinds: frozenset):
-    """What each pass waits for (dependency, hop delay) and, inverted, which ranks to wake
-    when a pass completes; shared by every replay of the same setting (read-only)."""
-    stages = placement.num_stages
-    waits: dict[Action, tuple] = {}
+def _wake_table(placement: Placement, comm: float, microbatches: int, kinds: frozenset):
+    """Which ranks to wake (rank, hop delay) when a pass completes; shared by every replay of
+    the same setting (read-only)."""
+    table = hop_table(placement, microbatches)
     wakes: dict[Action, list[tuple[int, float]]] = {}
-    for stage in range(stages):
-        rank = placement.rank_of(stage)
-        for microbatch in range(microbatches):
-            for kind in kinds:
-                action = Action(kind, stage, microbatch)
-                waits[action] = tuple((dep, comm if placement.rank_of(dep.stage) != rank else 0.0)
-                                      for dep in dependencies(action, stages))
-                for dep, delay in waits[action]:
-                    wakes.setdefault(dep, []).append((rank, delay))
-    return waits, wakes
+    for action, (_, dep, remote) in table.items():
+        if dep is not None and action.kind in kinds:
+            wakes.setdefault(dep, []).append((placement.rank_of(action.stage), comm if remote else 0.0))
+    return wakes
 
 
-def _pick(state: _Rank, waits, finished, now, cap, delta, window) -> Action | None:
+def _pick(state: _Rank, table, comm, finished, now, cap, delta, window) -> Action | None:
     """The first pass within ``window`` of the head that is ready at ``now`` and fits."""
     limit = now + _TOLERANCE
-    for position, action in enumerate(state.rest[:window]):
+    rest = state.rest
+    for position in range(min(window, len(rest))):
+        action = rest[position]
         if action.kind is F and not _fits(state, action, cap, delta, window > 1):
             continue
-        for dep, delay in waits[action]:
+        _, dep, remote = table[action]
+        if dep is not None:
             done = finished.get(dep)
-            if done is None or done + delay > limit:
-                break
-        else:
-            return state.rest.pop(position)
+            if done is None or done + (comm if remote else 0.0) > limit:
+                continue
+        return rest.pop(position)
     return None
 
 
