@@ -97,6 +97,7 @@ def test_search_cli_json_contract(capsys):
     for key in ("schedule", "bubble_rate", "peak_memory", "peak_memory_max", "description", "search_seconds"):
         assert key in record
     assert record["memory_limit"] == 4 and record["peak_memory_max"] <= 4
+    assert 32 * 3 <= record["makespan_floor"] <= record["makespan"]  # at least the compute
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -130,18 +131,23 @@ def test_unbalanced_costs_at_v_min_memory_beat_1f1b(p, comm):
 
     Measured (auto vs 1F1B bubble, m = 4p): comm 0: p=4 0.225 vs 0.158, p=8 0.205 vs 0.180,
     p=16 0.268 vs 0.190; comm 0.1: p=4 0.292 vs 0.197, p=8 0.263 vs 0.225, p=16 0.368 vs 0.238.
-    Why it is hard, in the paper's memory model (a chunk's activation lives from its F to the
-    end of its W): on every rank a microbatch's two activations live at least
-    (2p+1)(T_F+T_B)/2 + T_W + (4p-4) T_comm together, so a steady state with one microbatch per
-    F+B+W = 3 holds that / 3 chunk-activations on average (Little's law): 0.73p + 0.63
-    (+ 0.13(p-1) with comm 0.1) against V-Min's 2((p+4)//3). At p = 16 that is 12.4 (14.4)
-    against 12: no steady state at full rate exists, the period must grow to >= 3.09 (3.59),
-    and with comm 0.1 a periodic schedule then needs ~63 x 3.59 + 42 = 268 against 1F1B's
-    251.8. At p = 4 and 8 the average fits, but the six passes of unequal length must also
-    tile each rank's period without extra waits in the V's chain; no block found does, and
-    neither did 20 minutes of CP-SAT on the exact model of tests/test_search_bound.py (times
-    in tenths) at p = 4, comm 0: best makespan 59.3 (auto 61.9, 1F1B 57.0), so the case is
-    neither met nor proven impossible (the solver's lower bound stayed at 49.6).
+
+    What is known (memory model: a chunk's activation lives from its F's start to its W's end):
+
+    - p = 16 cannot be met for large m at all (tests/test_bounds.py, proven by Little's law):
+      rank 0 holds 37.1 (comm 0.1: 43.1) activation-time per microbatch in 12 chunk-activations,
+      so any schedule needs >= 3.09 m (3.59 m) against 1F1B's 3 m + 45 (comm 0); the floor passes 1F1B
+      from m = 492 (comm 0.1: m = 120). At m = 64 the floor (bubble >= 0.030, 0.165) does not
+      decide it.
+    - p = 4 and 8: the floor allows it, but only just at p = 4: a steady state at full rate
+      (period F+B+W = 3 per microbatch) may add at most 1.3 (p = 8: 4.5) time units of waits to
+      a microbatch's path along the V (12 or 24 activation-time against 10.7 or 19.5), and the
+      six passes of unequal length must tile each rank's period with waits that small. A
+      heuristic beam over per-rank cyclic orders and phases (not a proof) found no period-3
+      pattern under the limit: its least chain wait was 4.3 at p = 4 and 8.6 at p = 8.
+      20 minutes of CP-SAT on the exact model of tests/test_search_bound.py (p = 4, comm 0,
+      times in tenths) found 59.3 against 1F1B's 57.0, lower bound 49.6: these
+      small cases are neither met nor proven impossible.
     """
     m = 4 * p
     c = Costs.build(p, *UNBALANCED, comm=comm)

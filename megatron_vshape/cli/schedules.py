@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..schedule import (SCHEDULES, ScheduleError, build_schedule, parse_costs, simulate, validate)
+from ..schedule.bounds import makespan_floor
 from ..schedule.limits import MemoryLimit, parse_bytes
 from ..schedule.search import frontier, search
 from ..schedule.render_image import render_png, render_svg
@@ -173,6 +174,9 @@ def _search(args) -> int:
     _, _, record = _report("auto", args)
     record["search_seconds"] = round(found.seconds, 4)
     record["candidates"] = found.candidates
+    limit = found.schedule.memory_bound  # the limit searched under, in units
+    record["makespan_floor"] = round(
+        makespan_floor(found.schedule.placement, args.microbatches, costs, limit), 6)
     _print_record(record, args.json)
     return 0
 

@@ -20,8 +20,9 @@ closest under the limit are built in full: more memory buys fewer bubbles. Resul
 per (p, m, costs, limit, memory model).
 
 What the search does not reach (tests/test_search.py says why, with numbers): at V-Min's memory
-with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's; at half of 1F1B's memory
-with p = 4 nothing can reach 0.6 x 1F1B's bubble (V-Min's 0.651 x is optimal there).
+with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's (at p = 16 and large m
+no schedule can do better, bounds.py); at half of 1F1B's memory with p = 4 nothing can reach
+0.6 x 1F1B's bubble (V-Min's 0.651 x is optimal there).
 """
 from __future__ import annotations
 

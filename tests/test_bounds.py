@@ -1,0 +1,50 @@
+"""The memory lower bound on the makespan (schedule/bounds.py): valid, and what it rules out."""
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from megatron_vshape.schedule import Costs, build_schedule, simulate
+from megatron_vshape.schedule.bounds import lifetime_per_microbatch, makespan_floor
+from megatron_vshape.schedule.costs import MemoryModel
+from megatron_vshape.schedule.placement import Layout, Placement
+
+UNBALANCED = (1.0, 1.2, 0.8)
+
+
+def test_lifetime_matches_a_hand_count():
+    """p = 16, chunk passes F, B, W = 0.5, 0.6, 0.4. Rank 0's chunk 0 waits for 16 + 16
+    forwards, 16 + 16 backwards and its W: 8 + 8 + 9.6 + 9.6 + 0.4; its chunk 1 for its own
+    F, B and W: 1.5. With comm 0.1 the chunk-0 path crosses 30 hops each way (+6.0); the
+    V's turn and the loss are local."""
+    placement = Placement(16, Layout.V)
+    assert lifetime_per_microbatch(placement, Costs.build(16, *UNBALANCED), 0) == pytest.approx(37.1)
+    assert lifetime_per_microbatch(placement, Costs.build(16, *UNBALANCED, comm=0.1), 0) == pytest.approx(43.1)
+    half = MemoryModel(1.0, -0.5, -0.5)  # half freed at B: that half skips the W
+    assert lifetime_per_microbatch(placement, Costs.build(16, *UNBALANCED), 0, half) == pytest.approx(37.1 - 0.4)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.integers(2, 6), m_factor=st.sampled_from([1, 2, 4]),
+       name=st.sampled_from(["1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto"]),
+       costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)),
+       freed_by_b=st.floats(0, 0.9))
+def test_no_schedule_beats_the_floor_at_its_own_peak(p, m_factor, name, costs, freed_by_b):
+    m = m_factor * p
+    c = Costs.build(p, *costs[:3], comm=costs[3])
+    memory = MemoryModel(1.0, -freed_by_b, freed_by_b - 1.0)
+    schedule = build_schedule(name, p, m)
+    result = simulate(schedule, c, memory)
+    floor = makespan_floor(schedule.placement, m, c, result.peak_memory_max, memory)
+    assert result.makespan >= floor - 1e-9
+
+
+@pytest.mark.parametrize("comm,m", [(0.0, 512), (0.1, 128)])
+def test_p16_unbalanced_target_is_unreachable_for_large_m(comm, m):
+    """Issue 3 asks, for m >= 4p, for 1F1B's bubble at V-Min's memory ((p+4)//3 = 6 units) with
+    costs 1, 1.2, 0.8. At p = 16 no schedule can: rank 0 holds 37.1 (43.1 with comm 0.1)
+    activation-time per microbatch in 12 chunk-activations, so the makespan is at least
+    3.09 m (3.59 m), while 1F1B's is 3 m + 45 (and with comm its steady state waits on
+    every hop). The floor passes 1F1B's makespan from m = 492 (comm 0) and m = 120 (comm 0.1)."""
+    p = 16
+    c = Costs.build(p, *UNBALANCED, comm=comm)
+    one = simulate(build_schedule("1f1b", p, m), c)
+    assert makespan_floor(Placement(p, Layout.V), m, c, (p + 4) // 3) > one.makespan
