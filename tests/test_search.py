@@ -136,18 +136,20 @@ def test_unbalanced_costs_at_v_min_memory_beat_1f1b(p, comm):
 
     - p = 16 cannot be met for large m at all (tests/test_bounds.py, proven by Little's law):
       rank 0 holds 37.1 (comm 0.1: 43.1) activation-time per microbatch in 12 chunk-activations,
-      so any schedule needs >= 3.09 m (3.59 m) against 1F1B's 3 m + 45 (comm 0); the floor passes 1F1B
-      from m = 492 (comm 0.1: m = 120). At m = 64 the floor (bubble >= 0.030, 0.165) does not
-      decide it.
-    - p = 4 and 8: the floor allows it, but only just at p = 4: a steady state at full rate
-      (period F+B+W = 3 per microbatch) may add at most 1.3 (p = 8: 4.5) time units of waits to
-      a microbatch's path along the V (12 or 24 activation-time against 10.7 or 19.5), and the
-      six passes of unequal length must tile each rank's period with waits that small. A
-      heuristic beam over per-rank cyclic orders and phases (not a proof) found no period-3
-      pattern under the limit: its least chain wait was 4.3 at p = 4 and 8.6 at p = 8.
-      20 minutes of CP-SAT on the exact model of tests/test_search_bound.py (p = 4, comm 0,
-      times in tenths) found 59.3 against 1F1B's 57.0, lower bound 49.6: these
-      small cases are neither met nor proven impossible.
+      so any schedule needs >= 3.09 m (3.59 m) against 1F1B's 3 m + 45 (comm 0); the floor
+      passes 1F1B from m = 492 (comm 0.1: m = 120). At m = 64 the floor (bubble >= 0.030,
+      0.165) does not decide it.
+    - No building block runs at full rate here (tests/test_search_bound.py, CP-SAT, with
+      VSHAPE_PROOFS=1): at V-Min's memory with these costs (comm 0 or 0.1; p = 4, 8, 16) no
+      timing pattern that every microbatch repeats, one microbatch per period, has a period
+      of F+B+W = 3. The shortest that fits is 3.4 at p = 4 and 3.3 at p = 8 (comm 0): such
+      steady states idle >= 11.8% and 9.1%, where 1F1B's bubble tends to 0 as m grows. auto's
+      replays run at about 3.57 (p = 4) and 3.43 (p = 8) per microbatch at m = 256.
+    - Not covered: steady states that alternate between patterns (two alternating patterns:
+      CP-SAT undecided after 2 minutes) and m = 4p as such, where the ends of the schedule
+      weigh as much as its steady state.
+    - For arbitrary orders, 20 minutes of CP-SAT on the exact model of tests/test_search_bound.py
+      (p = 4, comm 0, m = 16, times in tenths) found 59.3 against 1F1B's 57.0, lower bound 49.6.
     """
     m = 4 * p
     c = Costs.build(p, *UNBALANCED, comm=comm)

@@ -1,4 +1,10 @@
-"""Machine proof of issue 3's impossible case: p = 4, half memory, uniform costs, m = 16.
+"""Machine proofs of issue 3's impossible cases (CP-SAT; OR-Tools is not a project dependency).
+
+1. p = 4, half memory, uniform costs, m = 16 (below).
+2. Unbalanced costs at V-Min's memory: no building block runs at full rate (further below,
+   ``_shortest_period_block``).
+
+Case 1.
 
 The shortest makespan of any V schedule with at most 4 chunk-activations per rank is 107
 half-unit slots (53.5), V-Min's; issue 3 asks for <= 53.02 (0.6 x 1F1B's bubble). See
@@ -8,6 +14,8 @@ bound. It needs OR-Tools (not a dependency of the project) and 40-80 s on two co
 runs only with ``VSHAPE_PROOFS=1``::
 
     pip install ortools && VSHAPE_PROOFS=1 python -m pytest -q tests/test_search_bound.py
+
+(case 2 adds about 30 s).
 
 The model, in slots (every chunk pass takes one):
 
@@ -89,3 +97,92 @@ def test_half_memory_at_p4_cannot_reach_0_6_of_1f1b():
     work = 3.0 * M  # per rank: F + B + W = 3 per microbatch
     assert 1 - work / (bound / 2) > 0.6 * one  # 0.1028 > 0.0947: the target is out of reach
     assert simulate(build_schedule("v-min", P, M)).makespan == bound / 2  # and V-Min is optimal
+
+
+# Case 2. The paper's building block: microbatch 0's passes at fixed times, repeated every T
+# (each microbatch the same pattern). In tenths, costs F, B, W = 1, 1.2, 0.8 make chunk passes
+# of 5, 6 and 4 ticks; full rate is T = 30 (every rank busy all the time). The model:
+#
+# - one start per (rank, pass) of microbatch 0, the V's dependency chain with comm ticks per
+#   rank crossing (the turn at rank p-1 and the loss at rank 0 are local), W after its B;
+# - per rank, the six passes' phases (start mod T) do not overlap on the circle of length T
+#   (each interval and its copy one period later, no two overlapping);
+# - memory: a chunk-activation lives lifespan = (its W's end - its F's start) = q T + rem; at
+#   phase x the rank holds sum(q) plus one for each window [F's phase, + rem) covering x, so
+#   sum(q) + (windows' cyclic overlap) <= L, a cumulative over the windows and their copies.
+#
+# Any block repeated every T, whatever its offsets, slots or pass order, is such a pattern;
+# steady states that alternate between several patterns are not covered.
+
+_UNBALANCED_TICKS = (5, 6, 4)
+
+
+def _block_exists(p: int, ticks: tuple, comm: int, period: int, chunks: int, seconds: float = 120):
+    """CP-SAT status of "some block with this period holds at most ``chunks`` per rank"."""
+    cp_model = pytest.importorskip("ortools.sat.python.cp_model")
+    f, b, w = ticks
+    size = {"F0": f, "F1": f, "B1": b, "B0": b, "W1": w, "W0": w}
+    horizon = 40 * period
+    model = cp_model.CpModel()
+    start, phase = {}, {}
+    for rank in range(p):
+        for name in size:
+            start[rank, name] = model.NewIntVar(0, horizon, "")
+            phase[rank, name] = model.NewIntVar(0, period - 1, "")
+            lap = model.NewIntVar(0, horizon // period, "")
+            model.Add(start[rank, name] == lap * period + phase[rank, name])
+    model.Add(start[0, "F0"] == 0)
+    for rank in range(p - 1):  # down the V, back up, down with the gradient, back up
+        model.Add(start[rank + 1, "F0"] >= start[rank, "F0"] + f + comm)
+        model.Add(start[rank, "F1"] >= start[rank + 1, "F1"] + f + comm)
+        model.Add(start[rank + 1, "B1"] >= start[rank, "B1"] + b + comm)
+        model.Add(start[rank, "B0"] >= start[rank + 1, "B0"] + b + comm)
+    model.Add(start[p - 1, "F1"] >= start[p - 1, "F0"] + f)
+    model.Add(start[0, "B1"] >= start[0, "F1"] + f)
+    model.Add(start[p - 1, "B0"] >= start[p - 1, "B1"] + b)
+    for rank in range(p):
+        busy, windows, laps = [], [], []
+        for name, length in size.items():
+            x = phase[rank, name]
+            busy += [model.NewIntervalVar(x, length, x + length, ""),
+                     model.NewIntervalVar(x + period, length, x + period + length, "")]
+        for chunk in "01":
+            model.Add(start[rank, "W" + chunk] >= start[rank, "B" + chunk] + b)
+            lap, rem = model.NewIntVar(0, horizon, ""), model.NewIntVar(0, period - 1, "")
+            model.Add(start[rank, "W" + chunk] + w - start[rank, "F" + chunk] == lap * period + rem)
+            laps.append(lap)
+            for shift in (0, period):
+                at = phase[rank, "F" + chunk] + shift
+                until = model.NewIntVar(0, 3 * period, "")
+                model.Add(until == at + rem)
+                windows.append(model.NewIntervalVar(at, rem, until, ""))
+        model.AddNoOverlap(busy)
+        room = model.NewIntVar(0, chunks, "")
+        model.Add(room == chunks - sum(laps))
+        model.AddCumulative(windows, [1] * len(windows), room)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = seconds
+    solver.parameters.num_workers = 2
+    return solver.StatusName(solver.Solve(model))
+
+
+def test_the_block_model_finds_v_min():
+    """Control: with uniform costs V-Min's block (period F+B+W, (p+4)//3 units) exists."""
+    assert _block_exists(8, (5, 5, 5), 0, 30, 2 * ((8 + 4) // 3)) in ("OPTIMAL", "FEASIBLE")
+
+
+@pytest.mark.parametrize("p", [4, 8, 16])
+@pytest.mark.parametrize("comm", [0, 1])
+def test_no_full_rate_block_at_v_min_memory_with_unbalanced_costs(p, comm):
+    """Costs 1, 1.2, 0.8 (comm 0 or 0.1): no block at V-Min's memory runs at full rate; a
+    steady state that gives every microbatch the same timing pattern must idle."""
+    assert _block_exists(p, _UNBALANCED_TICKS, comm, 30, 2 * ((p + 4) // 3)) == "INFEASIBLE"
+
+
+@pytest.mark.parametrize("p,slowest_infeasible", [(4, 33), (8, 32)])
+def test_shortest_block_period_at_v_min_memory(p, slowest_infeasible):
+    """The shortest period a block at V-Min's memory can have (comm 0): 3.4 at p = 4 and 3.3 at
+    p = 8, i.e. >= 11.8% and 9.1% bubble in steady state, where 1F1B's tends to 0."""
+    chunks = 2 * ((p + 4) // 3)
+    assert _block_exists(p, _UNBALANCED_TICKS, 0, slowest_infeasible, chunks) == "INFEASIBLE"
+    assert _block_exists(p, _UNBALANCED_TICKS, 0, slowest_infeasible + 1, chunks) in ("OPTIMAL", "FEASIBLE")

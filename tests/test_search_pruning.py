@@ -7,8 +7,9 @@ from megatron_vshape.schedule import Costs, Schedule, ScheduleError, build_sched
 from megatron_vshape.schedule.costs import MemoryModel
 from megatron_vshape.schedule.deps import dependencies, dependency_table
 from megatron_vshape.schedule.family import VOffsets, _distinct, _slots, v_block, v_family
-from megatron_vshape.schedule.search import (InfeasibleMemoryError, _lifespan_bound, _probe_peak,
-                                             _search_cached, _steady)
+from megatron_vshape.schedule.blocks import V_HALF, V_MIN, V_ZB
+from megatron_vshape.schedule.search import (InfeasibleMemoryError, _lifespan_bound, _named_over,
+                                             _probe_peak, _search_cached, _steady)
 from megatron_vshape.schedule.simulate import peak_memory
 from megatron_vshape.schedule.timed import timed_list_schedule
 
@@ -23,6 +24,18 @@ def test_lifespan_bound_never_exceeds_the_steady_peak(p):
         for m in (4 * p, 8 * p):
             if _steady(block, m):
                 assert _lifespan_bound(block) <= _probe_peak(block, m, MemoryModel()), offsets
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 7, 8, 12, 16, 20, 32])
+def test_fixed_blocks_peak_exactly_at_their_bound_once_m_reaches_p(p):
+    """The search skips V-Min, V-Half or V-ZB whose bound exceeds the limit without building
+    them (m >= p, default memory model), so for m >= p their peak must equal the bound."""
+    for m in sorted({p, p + 1, 2 * p, 4 * p}):
+        for family in (V_MIN, V_HALF, V_ZB):
+            peak = max(peak_memory(build_schedule(family.name, p, m)))
+            assert peak == family.memory_bound(p), (family.name, m)
+            assert _named_over(family, p, m, peak - 0.5, MemoryModel())
+            assert not _named_over(family, p, m, peak, MemoryModel())
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 9, 16])

@@ -35,6 +35,7 @@ from typing import Callable
 from .actions import PassKind, ScheduleError
 from .compose import compose, repeat
 from .costs import Costs, MemoryModel
+from .blocks import V_HALF, V_MIN, V_ZB
 from .family import v_block, v_family
 from .periodic import periodic_block, periodic_orders
 from .placement import Layout, Placement
@@ -139,8 +140,11 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
             result = simulate(schedule, costs, memory)
             pool.append(_Candidate(description, orders, peak, result.makespan, len(pool), result))
 
-    for name in ("v-min", "v-half", "v-zb"):
-        consider(f"{name} block", functools.partial(_named, name, p, m))
+    for family in (V_MIN, V_HALF, V_ZB):
+        if _named_over(family, p, m, limit, memory):  # its peak is known: skip the build
+            smallest.append((family.memory_bound(p), f"{family.name} block"))
+            continue
+        consider(f"{family.name} block", functools.partial(_named, family.name, p, m))
     skipped: list = []
     for offsets, block in _family_within(p, m, limit, memory, smallest, skipped):
         consider(f"V family block, {offsets.describe()}",
@@ -193,6 +197,13 @@ def _named(name: str, p: int, m: int) -> tuple:
     from .registry import build_schedule  # registry imports search for "auto"
 
     return build_schedule(name, p, m).rank_actions
+
+
+def _named_over(family, p: int, m: int, limit: float, memory: MemoryModel) -> bool:
+    """Whether a fixed block surely exceeds the limit. For m >= p (default memory model) its
+    peak is exactly its bound, (p+4)//3, (p+2)//2 or p units (tests/test_search_pruning.py
+    checks this for p up to 32), so building it only to reject it can be skipped."""
+    return memory == MemoryModel() and m >= p and family.memory_bound(p) > limit + _EPS
 
 
 def _periodic(p: int, m: int, costs: Costs, scale: float) -> tuple:
