@@ -100,7 +100,8 @@ def _time(schedule: Schedule, costs: Costs):
     waiting: dict[Action, list[int]] = {}
     ptr, clock = [0] * p, [0.0] * p
     pending = list(range(p))
-    table = hop_table(schedule.placement, 1 + max((a.microbatch for mine in acts for a in mine), default=0))
+    microbatches = 1 + max((a.microbatch for mine in acts for a in mine), default=0)
+    table = hop_table(schedule.placement, microbatches)
     comm = costs.comm
     while pending:  # the search's hot loop: one table entry per pass, locals only
         r = pending.pop()
@@ -129,9 +130,10 @@ def _time(schedule: Schedule, costs: Costs):
     for r in range(p):
         if ptr[r] < len(acts[r]):
             action = acts[r][ptr[r]]
+            deps = list(dependencies(action, schedule.num_stages))
             raise DeadlockError(
                 f"rank {r} step {ptr[r]}: {action} (stage {action.stage}, microbatch "
-                f"{action.microbatch}) waits for {list(dependencies(action, schedule.num_stages))} forever",
+                f"{action.microbatch}) waits for {deps} forever",
                 r, ptr[r], action,
             )
     return acts, starts, ends, dur

@@ -111,7 +111,8 @@ def _wake_table(placement: Placement, comm: float, microbatches: int, kinds: fro
     wakes: dict[Action, list[tuple[int, float]]] = {}
     for action, (_, dep, remote) in table.items():
         if dep is not None and action.kind in kinds:
-            wakes.setdefault(dep, []).append((placement.rank_of(action.stage), comm if remote else 0.0))
+            delay = comm if remote else 0.0
+            wakes.setdefault(dep, []).append((placement.rank_of(action.stage), delay))
     return wakes
 
 
