@@ -9,8 +9,9 @@ import pytest
 
 from megatron_vshape.cli import main
 from megatron_vshape.schedule import (SCHEDULES, Action, PassKind, ValidationError, build_schedule, lower,
-                                      simulate, validate)
+                                      parse_costs, simulate, validate)
 from megatron_vshape.schedule.render_text import render_grid, render_steps
+from megatron_vshape.schedule.simulate import DeadlockError
 from megatron_vshape.schedule.torch_csv import from_torch_csv, to_torch_csv
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -31,6 +32,18 @@ def test_dependency_cycle_is_reported_with_rank_step_and_marked_rendering():
     text = str(err.value)
     assert "rank 0 step 0" in text and "microbatch" in text and "<-- ERROR HERE" in text
     assert err.value.rank == 0 and err.value.step == 0
+
+
+def test_simulator_names_the_stuck_rank_step_and_action_instead_of_hanging():
+    """The simulator is also called on unvalidated orders (search, replay): a cycle must
+    raise a DeadlockError that says where, not loop or return a partial timeline."""
+    s = build_schedule("v-half", 4, 8)
+    bad = _swap(s, 0, 0, len(s.rank_actions[0]) - 1)
+    first = next(bad.compute_actions(0))
+    with pytest.raises(DeadlockError) as err:
+        simulate(bad, parse_costs("1,1,1,0", ranks=4))
+    assert (err.value.rank, err.value.step, err.value.action) == (0, 0, first)
+    assert "rank 0 step 0" in str(err.value) and "forever" in str(err.value)
 
 
 def test_missing_duplicate_and_wrong_rank_are_rejected():
