@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .actions import PassKind, ScheduleError
+from .blocks import V_HALF, V_MIN, V_ZB
 from .compose import compose, repeat
 from .costs import Costs, MemoryModel
-from .blocks import V_HALF, V_MIN, V_ZB
 from .family import v_block, v_family
 from .periodic import periodic_block, periodic_orders
 from .placement import Layout, Placement
 from .schedule import Schedule
 from .simulate import SimResult, peak_memory, simulate
-from .timed import timed_list_schedule
+from .timed import Replay, replay_in_time
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
 
@@ -106,7 +106,7 @@ class _Candidate:
     peak: float
     makespan: float
     rank: int  # position in the candidate list, for deterministic ties
-    result: SimResult
+    result: SimResult | None  # None for a replay: simulated only if it wins
 
 
 def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: float | None = None,
@@ -128,17 +128,20 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
     pool: list[_Candidate] = []
     smallest: list[tuple[float, str]] = []
 
-    def consider(description: str, build: Callable[[], tuple]) -> None:
+    def consider(description: str, build: Callable[[], tuple | Replay]) -> None:
         try:
-            orders = build()
+            built = build()
         except ScheduleError:
             return
+        orders = built.orders if isinstance(built, Replay) else built
         schedule = Schedule("auto", placement, m, orders)
         peak = max(peak_memory(schedule, memory))
         smallest.append((peak, description))
         if peak <= limit + _EPS:
-            result = simulate(schedule, costs, memory)
-            pool.append(_Candidate(description, orders, peak, result.makespan, len(pool), result))
+            # a replay timed itself; everything else is timed by the simulator
+            result = None if isinstance(built, Replay) else simulate(schedule, costs, memory)
+            makespan = built.makespan if result is None else result.makespan
+            pool.append(_Candidate(description, orders, peak, makespan, len(pool), result))
 
     for family in (V_MIN, V_HALF, V_ZB):
         if _named_over(family, p, m, limit, memory):  # its peak is known: skip the build
@@ -158,7 +161,7 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
         for window in _REPLAY_WINDOWS:
             for slack in slacks:  # one chunk of slack: the replay's peak often lands lower
                 consider(f"{base.description}, replayed in time (window {window})",
-                         functools.partial(timed_list_schedule, base.orders, placement, costs,
+                         functools.partial(replay_in_time, base.orders, placement, costs,
                                            limit * placement.chunks + slack, memory, window))
     if not pool:
         smallest.extend((_probe_peak(block, m, memory), f"V family block, {offsets.describe()}")
@@ -168,7 +171,8 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
     winner = min(pool, key=_key)
     schedule = Schedule("auto", placement, m, winner.orders, memory_bound=limit,
                         description=f"auto: {winner.description} (limit {limit:g} units)")
-    return SearchResult(schedule, winner.result, time.perf_counter() - started, len(pool))
+    result = winner.result or simulate(schedule, costs, memory)
+    return SearchResult(schedule, result, time.perf_counter() - started, len(pool))
 
 
 def _replay_bases(pool: list[_Candidate], count: int, extra: int) -> list[tuple[_Candidate, tuple]]:

@@ -13,22 +13,32 @@ memory) and forwards that fit. A chunk-0 forward never takes the last free unit 
 forward is owed (the memory-deadlock rule of the list scheduler). Within each stage microbatches
 keep their order, so the result lowers to matching sends and receives.
 
-The returned orders are what the simulator then times: the same costs give the same timing.
+The returned orders are what the simulator then times: the same costs give the same timing,
+so the replay's own makespan stands in for a simulation while the search compares candidates.
 """
 from __future__ import annotations
 
 import functools
 import heapq
+from typing import NamedTuple
 
 from .actions import Action, PassKind, ScheduleError
 from .costs import Costs, MemoryModel
 from .deps import hop_table
 from .placement import Placement
 
-__all__ = ["timed_list_schedule"]
+__all__ = ["Replay", "replay_in_time", "timed_list_schedule"]
 
 F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
 _TOLERANCE = 1e-12
+
+
+class Replay(NamedTuple):
+    """A replay's per-rank orders and their makespan (what :func:`.simulate.simulate` gives
+    them under the same costs, up to rounding)."""
+
+    orders: tuple[tuple[Action, ...], ...]
+    makespan: float
 
 
 class _Rank:
@@ -38,6 +48,7 @@ class _Rank:
         self.rest = list(order)
         self.stages = tuple(placement.stage_of(rank, c) for c in range(placement.chunks))
         self.free_at = 0.0
+        self.first = 0.0  # when its first pass started
         self.memory = 0.0
         self.forwards = [0] * placement.chunks
         self.durations = durations
@@ -63,6 +74,19 @@ def timed_list_schedule(
     ``window`` bounds how far past the head of a rank's order a ready pass may be taken.
     Raises ScheduleError when the limit leaves the ranks waiting on each other.
     """
+    return replay_in_time(orders, placement, costs, cap, memory, window).orders
+
+
+def replay_in_time(
+    orders,
+    placement: Placement,
+    costs: Costs,
+    cap: float,
+    memory: MemoryModel = MemoryModel(),
+    window: int = 24,
+) -> Replay:
+    """:func:`timed_list_schedule` with the makespan it reached (the search skips simulating
+    every replay: only the winner's full timeline is needed)."""
     delta = {F: memory.forward, B: memory.backward, W: memory.weight, BW: memory.backward + memory.weight}
     ranks = [_Rank(o, placement, r, _durations(costs, placement, r)) for r, o in enumerate(orders)]
     microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
@@ -86,6 +110,8 @@ def timed_list_schedule(
             action = _pick(state, table, costs.comm, finished, now, cap, delta, window)
             if action is None:
                 continue
+            if not state.out:
+                state.first = now
             end = now + state.durations[action.kind]
             state.free_at = end
             state.memory += delta[action.kind]
@@ -96,11 +122,14 @@ def timed_list_schedule(
             finished[key] = end
             heapq.heappush(wake, (end, index))
             for rank, delay in wakes.get(key, ()):
-                heapq.heappush(wake, (end + delay, rank))
+                if ranks[rank].free_at < end + delay:  # else its own end wakes it after this
+                    heapq.heappush(wake, (end + delay, rank))
     if any(r.rest for r in ranks):
         stuck = [(i, r.rest[0]) for i, r in enumerate(ranks) if r.rest]
         raise ScheduleError(f"memory limit {cap:g} chunk-activations leaves ranks waiting: {stuck[:4]}")
-    return tuple(tuple(r.out) for r in ranks)
+    busy = [r for r in ranks if r.out]
+    makespan = max((r.free_at for r in busy), default=0.0) - min((r.first for r in busy), default=0.0)
+    return Replay(tuple(tuple(r.out) for r in ranks), makespan)
 
 
 @functools.lru_cache(maxsize=4)
