@@ -44,11 +44,10 @@ def repeat(block: BuildingBlock, microbatches: int) -> tuple[tuple[Action, ...],
     placement = Placement(block.ranks, block.layout)
     orders = []
     for rank, rank_slots in enumerate(block.slots):
-        timed = [
-            (slot + block.interval * k, Action(kind, placement.stage_of(rank, chunk), k))
-            for (kind, chunk), slot in rank_slots
-            for k in range(microbatches)
-        ]
+        timed = []
+        for (kind, chunk), slot in rank_slots:
+            stage = placement.stage_of(rank, chunk)
+            timed.extend((slot + block.interval * k, Action(kind, stage, k)) for k in range(microbatches))
         timed.sort()
         if block.split_backward:
             timed = _place_weight_passes(timed, block.interval, {s % block.interval for s, _ in timed})
