@@ -171,7 +171,7 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
     winner = min(pool, key=_key)
     schedule = Schedule("auto", placement, m, winner.orders, memory_bound=limit,
                         description=f"auto: {winner.description} (limit {limit:g} units)")
-    result = winner.result or simulate(schedule, costs, memory)
+    result = simulate(schedule, costs, memory) if winner.result is None else winner.result
     return SearchResult(schedule, result, time.perf_counter() - started, len(pool))
 
 

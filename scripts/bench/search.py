@@ -1,7 +1,7 @@
 """Benchmark: adaptive search time, one JSON line per case.
 
     python scripts/bench/search.py [--ranks 4 8 16 32] [--microbatches 16 64 256]
-                                   [--costs 1,1.2,0.8,0.1] [--memory-limit 0.5]
+                                   [--costs 1,1.2,0.8,0.1] [--memory-limit 0.5] [--repeats 3]
 
 Targets (issue 3): under 1 s for p <= 16 and m <= 64; under 10 s for p = 32, m = 256.
 Each run starts from a fresh cache (the search caches results per setting). ``search_s`` is the
