@@ -1,0 +1,43 @@
+"""The pure-Python benchmarks still run and print one JSON line per case (their numbers go in
+notes; a refactor that breaks them would otherwise go unnoticed until someone needs them)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
+
+
+def _lines(script: str, *args: str) -> list[dict]:
+    done = subprocess.run([sys.executable, str(BENCH / script), *args],
+                          capture_output=True, text=True, timeout=300, check=True)
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_search_bench_reports_each_case_and_the_infeasible_one():
+    rows = _lines("search.py", "--ranks", "4", "8", "--microbatches", "4", "16", "--repeats", "2")
+    assert [(r["ranks"], r["microbatches"]) for r in rows] == [(4, 4), (4, 16), (8, 4), (8, 16)]
+    # p = 8, m = 4: half of 1F1B's 4 units is 2, below V-Min's 4: reported, not raised
+    assert [("error" in r) for r in rows] == [False, False, True, False]
+    assert "smallest achievable peak is 4 units" in rows[2]["error"] and rows[2]["search_s"] > 0
+    for row in rows[:2] + rows[3:]:
+        assert 0 < row["search_s"] <= row["search_s_median"]
+        assert row["peak_memory_max"] <= row["memory_limit_units"] + 1e-9
+        assert 0 <= row["bubble_rate"] < 1 and 0 <= row["bubble_rate_1f1b"] < 1
+
+
+def test_search_bench_refuses_zero_repeats():
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        _lines("search.py", "--ranks", "4", "--microbatches", "8", "--repeats", "0")
+    assert "--repeats must be >= 1" in err.value.stderr
+
+
+def test_schedule_bench_times_every_schedule():
+    rows = _lines("schedule.py", "--ranks", "4", "--microbatches", "8")
+    timed = {r["schedule"]: r for r in rows if "error" not in r}
+    assert {"1f1b", "v-min", "v-half", "v-zb"} <= set(timed)
+    for row in timed.values():
+        assert row["total_s"] >= row["generate_s"] >= 0 and 0 <= row["bubble_rate"] < 1
+    assert timed["v-min"]["peak_memory_max"] < timed["1f1b"]["peak_memory_max"]
