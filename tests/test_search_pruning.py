@@ -11,7 +11,7 @@ from megatron_vshape.schedule.blocks import V_HALF, V_MIN, V_ZB
 from megatron_vshape.schedule.search import (InfeasibleMemoryError, _lifespan_bound, _named_over,
                                              _probe_peak, _search_cached, _steady)
 from megatron_vshape.schedule.simulate import peak_memory
-from megatron_vshape.schedule.timed import timed_list_schedule
+from megatron_vshape.schedule.timed import replay_in_time
 
 
 @pytest.mark.parametrize("p", range(2, 13))
@@ -67,12 +67,12 @@ def test_replay_keeps_the_cap_and_every_pass():
     p, m = 8, 32
     base = build_schedule("v-half", p, m)
     costs = Costs.build(p, 1, 1.2, 0.8, comm=0.1)
-    orders = timed_list_schedule(base.rank_actions, base.placement, costs, cap=10, window=4)
+    orders = replay_in_time(base.rank_actions, base.placement, costs, cap=10, window=4).orders
     replayed = Schedule("replayed", base.placement, m, orders)
     assert [set(o) for o in orders] == [set(o) for o in base.rank_actions]
     assert max(peak_memory(replayed)) <= 5
     with pytest.raises(ScheduleError, match="leaves ranks waiting"):
-        timed_list_schedule(base.rank_actions, base.placement, costs, cap=1, window=4)
+        replay_in_time(base.rank_actions, base.placement, costs, cap=1, window=4)
 
 
 def test_infeasible_error_still_names_the_smallest_peak_of_every_block():

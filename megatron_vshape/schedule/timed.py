@@ -27,7 +27,7 @@ from .costs import Costs, MemoryModel
 from .deps import hop_table
 from .placement import Placement
 
-__all__ = ["Replay", "replay_in_time", "timed_list_schedule"]
+__all__ = ["Replay", "replay_in_time"]
 
 F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
 _TOLERANCE = 1e-12
@@ -61,22 +61,6 @@ def _durations(costs: Costs, placement: Placement, rank: int) -> dict:
     return {F: f, B: b, W: w, BW: b + w}
 
 
-def timed_list_schedule(
-    orders,
-    placement: Placement,
-    costs: Costs,
-    cap: float,
-    memory: MemoryModel = MemoryModel(),
-    window: int = 24,
-) -> tuple[tuple[Action, ...], ...]:
-    """Per-rank orders from replaying ``orders`` under ``costs`` within ``cap`` chunk-activations.
-
-    ``window`` bounds how far past the head of a rank's order a ready pass may be taken.
-    Raises ScheduleError when the limit leaves the ranks waiting on each other.
-    """
-    return replay_in_time(orders, placement, costs, cap, memory, window).orders
-
-
 def replay_in_time(
     orders,
     placement: Placement,
@@ -85,8 +69,12 @@ def replay_in_time(
     memory: MemoryModel = MemoryModel(),
     window: int = 24,
 ) -> Replay:
-    """:func:`timed_list_schedule` with the makespan it reached (the search skips simulating
-    every replay: only the winner's full timeline is needed)."""
+    """Per-rank orders from replaying ``orders`` under ``costs`` within ``cap`` chunk-activations,
+    and the makespan they reach (the search ranks replays by it without simulating them).
+
+    ``window`` bounds how far past the head of a rank's order a ready pass may be taken.
+    Raises ScheduleError when the limit leaves the ranks waiting on each other.
+    """
     delta = {F: memory.forward, B: memory.backward, W: memory.weight, BW: memory.backward + memory.weight}
     ranks = [_Rank(o, placement, r, _durations(costs, placement, r)) for r, o in enumerate(orders)]
     microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
