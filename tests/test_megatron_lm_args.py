@@ -1,7 +1,8 @@
 """scripts/pretrain_gpt_vshape.py's flags: parsing, and bad combinations refused at parsing.
 
-Megatron-LM itself is not installed here (it is a cluster checkout, not a package); its
-argument namespace is stood in for by the fields the checks read, with Megatron-LM's defaults.
+Fast unit tests of the checks: Megatron-LM's argument namespace is stood in for by the fields
+the checks read, with Megatron-LM's defaults. Through Megatron-LM's real parse_args and
+validate_args the same refusals are run by tests/test_megatron_lm_e2e.py.
 """
 import argparse
 
@@ -93,61 +94,3 @@ def test_the_papers_uneven_layer_counts_are_accepted():
     check_arguments(_args(["--pipeline-schedule", "v-half"], pipeline_model_parallel_size=8))
     check_arguments(_args(["--pipeline-schedule", "interleaved-1f1b"],
                           num_virtual_stages_per_pipeline_rank=2))
-
-
-def test_patching_megatron_lm_validates_ours_hides_uneven_layers_and_installs(monkeypatch):
-    """patch_megatron_lm against a stand-in for megatron.training with the behaviour we rely
-    on (core_v0.16.1): validate_args asserts num_layers % PP == 0 and copies num_layers to
-    encoder_num_layers; get_model reads DistributedDataParallelConfig from training's module
-    namespace; training binds get_forward_backward_func at import."""
-    import sys
-    import types
-
-    pytest.importorskip("megatron.core")
-    import megatron.core.pipeline_parallel.schedules as schedules
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    import megatron_vshape
-    from megatron_vshape.megatron.forward_backward import VShapeForwardBackward
-    from megatron_vshape.megatron.megatron_lm import patch_megatron_lm
-
-    def validate_args(args, defaults={}):
-        assert args.num_layers % args.pipeline_model_parallel_size == 0, \
-            "Number of layers should be divisible by the pipeline-model-parallel size"
-        args.encoder_num_layers = args.num_layers
-        args.virtual_pipeline_model_parallel_size = None
-        return "validated"
-
-    current = {}
-    package = types.ModuleType("megatron.training")
-    package.get_args = lambda: current["args"]
-    package.initialize = types.ModuleType("megatron.training.initialize")
-    package.initialize.validate_args = validate_args
-    package.training = types.ModuleType("megatron.training.training")
-    package.training.DistributedDataParallelConfig = DistributedDataParallelConfig
-    package.training.get_forward_backward_func = schedules.get_forward_backward_func
-    for name, module in (("megatron.training", package),
-                         ("megatron.training.initialize", package.initialize),
-                         ("megatron.training.training", package.training)):
-        monkeypatch.setitem(sys.modules, name, module)
-    try:
-        patch_megatron_lm()
-        patch_megatron_lm()  # idempotent
-        assert package.initialize.validate_args.vshape_original is validate_args
-        current["args"] = args = _args(["--pipeline-schedule", "v-half"],
-                                       pipeline_model_parallel_size=8)
-        assert package.initialize.validate_args(args) == "validated"
-        assert args.num_layers == args.encoder_num_layers == 30  # restored after the check
-        assert args.virtual_pipeline_model_parallel_size == 2  # two chunks per rank
-        fb = package.training.get_forward_backward_func(8, None)
-        assert isinstance(fb, VShapeForwardBackward) and fb.schedule == "v-half"
-        assert fb.losses_on_last_rank
-        assert package.training.DistributedDataParallelConfig().delay_wgrad_compute
-        with pytest.raises(ValueError, match="--num-layers must be >= 2"):
-            package.initialize.validate_args(_args(["--pipeline-schedule", "v-min"],
-                                                   num_layers=6))
-        current["args"] = args = _args()  # megatron's own 1F1B: nothing changes
-        package.initialize.validate_args(_args(["--pipeline-schedule", "1f1b"], num_layers=32))
-        assert not package.training.DistributedDataParallelConfig().delay_wgrad_compute
-    finally:
-        megatron_vshape.uninstall()

@@ -7,6 +7,7 @@ before building models. They patch torch and megatron process-wide, which is why
 worker processes call them.
 """
 import contextlib
+from functools import partial
 
 import torch
 
@@ -33,7 +34,8 @@ def _wrap_factory(fn):
 
 
 class _CpuRngTracker:
-    """Stands in for megatron's CUDA RNG tracker: names are tracked, forks change nothing
+    """Stands in for megatron's CUDA RNG tracker: names are tracked (each with its seed as a
+    tensor, the shape of state Megatron-LM's checkpoints save and restore), forks change nothing
     (the tests use no dropout, so which generator would be forked does not matter)."""
 
     def __init__(self):
@@ -52,7 +54,7 @@ class _CpuRngTracker:
         self.states_ = dict(states)
 
     def add(self, name, seed):
-        self.states_[name] = seed
+        self.states_[name] = torch.tensor([seed], dtype=torch.int64)
 
     @contextlib.contextmanager
     def fork(self, name="model-parallel-rng"):
@@ -78,9 +80,18 @@ def install_cpu_shims() -> None:
 
     tracker = _CpuRngTracker()
     mrandom.get_cuda_rng_tracker = lambda *a, **k: tracker
-    mrandom.model_parallel_cuda_manual_seed = lambda seed, *a, **k: torch.manual_seed(seed)
+    mrandom.model_parallel_cuda_manual_seed = partial(_cpu_manual_seed, tracker)
     _rebind(mrandom, "get_cuda_rng_tracker")
     _rebind(mrandom, "model_parallel_cuda_manual_seed")
+
+
+def _cpu_manual_seed(tracker, seed, *args, **kwargs):
+    """model_parallel_cuda_manual_seed on the CPU: the torch seed, and the tracker's names
+    (megatron seeds the data-parallel and tensor-parallel generators from ``seed``)."""
+    torch.manual_seed(seed)
+    tracker.reset()
+    tracker.add("data-parallel-rng", seed)
+    tracker.add("model-parallel-rng", seed + 2718)
 
 
 class SequenceParallelLayerNorm(torch.nn.LayerNorm):

@@ -115,15 +115,16 @@ class VShapeForwardBackward:
             runner.tracker = tracker
             self.last_step = runner.step(forward_only=forward_only)
             runner.tracker = None
+        loss_rank = _loss_rank(schedule)
         if not forward_only:
-            _finish_grads(stages, chunks, config, pg, force_all_reduce)
+            _finish_grads(stages, chunks, config, pg, force_all_reduce, loss_rank)
             self.profile.add(self.last_step.timeline)
             if self.replanner.end_step(schedule, pg.pp.rank()):
                 self._replan(schedule, pg, spec)
         if config.timers is not None:
             config.timers("forward-backward").stop()
         if self.losses_on_last_rank:
-            return _relay_to_last_rank(stages.forward_data_store, pg.pp)
+            return _relay_to_last_rank(stages.forward_data_store, pg.pp, loss_rank)
         return stages.forward_data_store
 
     def measured_costs(self, num_microbatches: int, pg_collection=None, comm: float = 0.0):
@@ -231,15 +232,22 @@ def _all_pipelines(pp_group):
     return sorted({tuple(r) for r in gathered})
 
 
-def _finish_grads(stages, chunks, config, pg, force_all_reduce):
+def _loss_rank(schedule) -> int:
+    """The pipeline rank that computes the loss: the one holding the last stage (rank 0 under
+    a V, the last rank for zb-1p)."""
+    return schedule.placement.rank_of(schedule.placement.num_stages - 1)
+
+
+def _finish_grads(stages, chunks, config, pg, force_all_reduce, loss_rank):
     for c in range(len(chunks)):
         stages.launch_grad_sync(c)  # the chunks whose reduction has not started yet
     if config.finalize_model_grads_func is not None:
         num_tokens = None
         if config.calculate_per_token_loss:
-            # megatron broadcasts the count from the last rank; the V counted it on rank 0
+            # megatron broadcasts the count from the last rank; the loss rank counted it
             num_tokens = stages.total_num_tokens.to(_device())
-            torch.distributed.broadcast(num_tokens, src=_pp_global_rank(pg.pp, 0), group=pg.pp)
+            torch.distributed.broadcast(num_tokens, src=_pp_global_rank(pg.pp, loss_rank),
+                                        group=pg.pp)
         config.finalize_model_grads_func(chunks, num_tokens, pg_collection=pg,
                                          force_all_reduce=force_all_reduce)
     sum_tied_embedding_grads(chunks)
@@ -268,16 +276,20 @@ def _pp_global_rank(pp_group, pipeline_rank: int) -> int:
     return torch.distributed.get_process_group_ranks(pp_group)[pipeline_rank]
 
 
-def _relay_to_last_rank(store: list, pp_group) -> list:
-    """Move rank 0's loss dicts to the last pipeline rank (collective on ranks 0 and p-1)."""
+def _relay_to_last_rank(store: list, pp_group, loss_rank: int) -> list:
+    """Move the loss dicts from ``loss_rank`` to the last pipeline rank (collective on those
+    two; nothing to do when the loss already is on the last rank, as under zb-1p)."""
     rank, last = pp_group.rank(), pp_group.size() - 1
-    if rank == 0:
+    if loss_rank == last:
+        return store
+    if rank == loss_rank:
         torch.distributed.send_object_list([_map_tensors(store, lambda t: t.detach().cpu())],
                                            _pp_global_rank(pp_group, last), group=pp_group)
         return []
     if rank == last:
         box = [None]
-        torch.distributed.recv_object_list(box, _pp_global_rank(pp_group, 0), group=pp_group)
+        torch.distributed.recv_object_list(box, _pp_global_rank(pp_group, loss_rank),
+                                           group=pp_group)
         return _map_tensors(box[0], lambda t: t.to(_device()))
     return store
 

@@ -1,20 +1,9 @@
 """Megatron-LM (tag core_v0.16.1) glue: the flags, their checks, and a V-aware model provider,
 batch and forward step for ``scripts/pretrain_gpt_vshape.py``.
 
-Nothing here imports ``megatron.training`` at module level: the parts that can be tested on
-CPU (arguments, provider, batch, forward step) take plain values, and :func:`patch_megatron_lm`
-(the only function that needs Megatron-LM) makes the three changes the plugin cannot make
-through pretrain()'s arguments::
-
-    validate_args        our checks first (clear errors naming flags), then Megatron-LM's with
-                         the V's uneven layer count hidden from its "num_layers % PP" check,
-                         then two chunks per rank (virtual_pipeline_model_parallel_size = 2)
-    DistributedDataParallelConfig
-                         delay_wgrad_compute=True, so DDP's hooks wait for W (the model's own
-                         TransformerConfig must not get it: megatron allows it for MoE only)
-    get_forward_backward_func
-                         megatron_vshape.install(): our schedules, losses relayed to the last
-                         pipeline rank where Megatron-LM's loop logs them
+Nothing here imports ``megatron.training``: the parts that can be tested on CPU (arguments,
+provider, batch, forward step) take plain values. What must change inside Megatron-LM's own
+functions is megatron_lm_patch.py's job.
 
 Under a V, pipeline rank 0 holds both ends of the model (embedding and LM head), so it needs
 the tokens *and* the labels of every microbatch; the other ranks read no data.
@@ -22,9 +11,7 @@ the tokens *and* the labels of every microbatch; the other ranks read no data.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
-import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -33,12 +20,10 @@ import torch
 
 from ..schedule.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES
-from .install import OURS, VShapeConfig
+from .install import VShapeConfig
 
 __all__ = ["V_SCHEDULES", "add_arguments", "check_arguments", "vshape_config", "VChunkProvider",
-           "VBatch", "VForwardStep", "patch_megatron_lm", "is_v_dataset_rank"]
-
-log = logging.getLogger(__name__)
+           "VBatch", "VForwardStep", "is_v_dataset_rank"]
 
 V_SCHEDULES = ("v-min", "v-half", "v-zb", "auto")
 """Schedules that place two chunks per rank on the V."""
@@ -59,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--pipeline-p2p-timeout", type=float, default=600.0,
                        help="seconds a pipeline send/receive may wait before failing with rank, "
                             "step and action (default 600)")
+    # distributed-optimizer checkpoints that load under any schedule (checkpoints.py)
+    parser.set_defaults(dist_ckpt_optim_fully_reshardable=True)
+    group.add_argument("--dist-ckpt-optim-dp-reshardable", dest="dist_ckpt_optim_fully_reshardable",
+                       action="store_false",
+                       help="save distributed-optimizer state in megatron's default dp_reshardable "
+                            "format (per gradient bucket: it only loads under a schedule of the "
+                            "same chunk layout, and the same TP/PP); the default here is "
+                            "--dist-ckpt-optim-fully-reshardable")
     return parser
 
 
@@ -269,59 +262,3 @@ class VForwardStep:
         loss = partial(self.loss_func, loss_mask, model=model) if self._takes_model else \
             partial(self.loss_func, loss_mask)
         return output, loss
-
-
-# -- Megatron-LM itself --------------------------------------------------------------------------
-def patch_megatron_lm() -> None:
-    """Make Megatron-LM's pretrain() run the plugin's schedules (see the module doc)."""
-    from megatron.training import initialize, training
-
-    if getattr(initialize.validate_args, "vshape_original", None) is None:
-        initialize.validate_args = _validating(initialize.validate_args)
-    if not getattr(training.DistributedDataParallelConfig, "vshape_delayed", False):
-        training.DistributedDataParallelConfig = _delayed_wgrad_ddp_config(
-            training.DistributedDataParallelConfig)
-
-
-def _validating(original):
-    def validate_args(args, defaults={}):
-        check_arguments(args)
-        v = args.pipeline_schedule in V_SCHEDULES
-        layers = args.num_layers
-        if v and layers % args.pipeline_model_parallel_size:
-            # Megatron-LM asks num_layers % PP == 0; the V places uneven counts itself
-            args.num_layers = -(-layers // args.pipeline_model_parallel_size) * \
-                args.pipeline_model_parallel_size
-        try:
-            result = original(args, defaults)
-        finally:
-            if v and args.num_layers != layers:
-                args.num_layers = layers
-                if getattr(args, "encoder_num_layers", None) is not None:
-                    args.encoder_num_layers = layers
-        if v:
-            args.virtual_pipeline_model_parallel_size = 2
-        import megatron_vshape
-
-        megatron_vshape.install(vshape_config(args))
-        log.info("[vshape] pipeline schedule %s installed", args.pipeline_schedule)
-        return result
-    validate_args.vshape_original = original
-    return validate_args
-
-
-def _delayed_wgrad_ddp_config(base):
-    """DistributedDataParallelConfig whose hooks wait for W when our schedule defers it."""
-
-    @dataclasses.dataclass
-    class VShapeDDPConfig(base):
-        vshape_delayed = True
-
-        def __post_init__(self):
-            from megatron.training import get_args
-
-            if get_args().pipeline_schedule in OURS:
-                self.delay_wgrad_compute = True
-            super().__post_init__()
-
-    return VShapeDDPConfig

@@ -89,7 +89,18 @@ def _input_grad(ctx, grad_output, weight):
 
 
 def _weight_grad(weight, sequence_parallel, fusion, tp_group, input_, grad_output):
-    """W: the weight gradient, accumulated where megatron keeps it, then DDP's hooks."""
+    """W: the weight gradient, accumulated where megatron keeps it, then DDP's hooks.
+
+    W records no autograd graph: the saved input still requires grad, and gloo's all-gather
+    refuses to write a tensor that requires grad into views of its output."""
+    with torch.no_grad():
+        _accumulate_weight_grad(weight, sequence_parallel, fusion, tp_group, input_.detach(),
+                                grad_output.detach())
+    for hook in getattr(weight, _HOOKS, ()):
+        hook()
+
+
+def _accumulate_weight_grad(weight, sequence_parallel, fusion, tp_group, input_, grad_output):
     layers = _layers()
     total = input_
     if sequence_parallel:
@@ -109,8 +120,6 @@ def _weight_grad(weight, sequence_parallel, fusion, tp_group, input_, grad_outpu
             weight.grad_added_to_main_grad = True
     else:
         accumulate_grad(weight, dy.t().matmul(x))
-    for hook in getattr(weight, _HOOKS, ()):
-        hook()
 
 
 def patch_linear() -> None:

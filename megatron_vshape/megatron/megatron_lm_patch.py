@@ -1,0 +1,147 @@
+"""What the plugin changes inside Megatron-LM (tag core_v0.16.1), from outside.
+
+:func:`patch_megatron_lm` makes the changes that pretrain()'s arguments cannot express (the
+only code here that imports ``megatron.training``; the script calls it before pretrain())::
+
+    initialize.validate_args
+              our checks first (clear errors naming flags), then Megatron-LM's with the V's
+              uneven layer count hidden from its "num_layers % PP" check; then two chunks per
+              rank (virtual_pipeline_model_parallel_size = 2), and align_param_gather as the
+              user set it (Megatron-LM clears it for what it takes for a one-chunk schedule,
+              so --overlap-param-gather would lose its param_sync_func per chunk)
+    training.DistributedDataParallelConfig
+              delay_wgrad_compute=True, so DDP's hooks wait for W (the model's own
+              TransformerConfig must not get it: megatron allows it for MoE only)
+    training.load_checkpoint
+              refuses distributed-optimizer state of another chunk layout (checkpoints.py)
+    training.report_theoretical_memory
+              the V's activation memory (its simulated peak relative to 1F1B), not the
+              interleaved schedule's penalty that virtual_pipeline_model_parallel_size = 2
+              would otherwise select
+    get_forward_backward_func
+              megatron_vshape.install(): our schedules, losses relayed to the last pipeline
+              rank where Megatron-LM's loop logs them
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+
+from .checkpoints import checked_load_checkpoint
+from .install import OURS
+from .megatron_lm import V_SCHEDULES, check_arguments, vshape_config
+
+__all__ = ["patch_megatron_lm", "v_activation_ratio"]
+
+log = logging.getLogger(__name__)
+
+
+def patch_megatron_lm() -> None:
+    """Make Megatron-LM's pretrain() run the plugin's schedules (idempotent; module doc)."""
+    from megatron.training import initialize, training
+
+    if getattr(initialize.validate_args, "vshape_original", None) is None:
+        initialize.validate_args = _validating(initialize.validate_args)
+    if not getattr(training.DistributedDataParallelConfig, "vshape_delayed", False):
+        training.DistributedDataParallelConfig = _delayed_wgrad_ddp_config(
+            training.DistributedDataParallelConfig)
+    training.load_checkpoint = checked_load_checkpoint(training.load_checkpoint)
+    if hasattr(training, "report_theoretical_memory"):
+        training.report_theoretical_memory = _v_theoretical_memory(
+            training.report_theoretical_memory)
+
+
+def _validating(original):
+    def validate_args(args, defaults={}):
+        check_arguments(args)
+        v = args.pipeline_schedule in V_SCHEDULES
+        layers, align = args.num_layers, getattr(args, "align_param_gather", None)
+        if v and layers % args.pipeline_model_parallel_size:
+            # Megatron-LM asks num_layers % PP == 0; the V places uneven counts itself
+            args.num_layers = -(-layers // args.pipeline_model_parallel_size) * \
+                args.pipeline_model_parallel_size
+        try:
+            result = original(args, defaults)
+        finally:
+            if v and args.num_layers != layers:
+                args.num_layers = layers
+                if getattr(args, "encoder_num_layers", None) is not None:
+                    args.encoder_num_layers = layers
+        if v:
+            args.virtual_pipeline_model_parallel_size = 2
+            if align is not None:
+                args.align_param_gather = align
+                log.info("[vshape] %s runs two chunks per rank: align_param_gather=%s again "
+                         "(Megatron-LM's warning above is for one-chunk schedules)",
+                         args.pipeline_schedule, align)
+        import megatron_vshape
+
+        megatron_vshape.install(vshape_config(args))
+        log.info("[vshape] pipeline schedule %s installed", args.pipeline_schedule)
+        return result
+    validate_args.vshape_original = original
+    return validate_args
+
+
+def _delayed_wgrad_ddp_config(base):
+    """DistributedDataParallelConfig whose hooks wait for W when our schedule defers it."""
+
+    @dataclasses.dataclass
+    class VShapeDDPConfig(base):
+        vshape_delayed = True
+
+        def __post_init__(self):
+            from megatron.training import get_args
+
+            if get_args().pipeline_schedule in OURS:
+                self.delay_wgrad_compute = True
+            super().__post_init__()
+
+    return VShapeDDPConfig
+
+
+def v_activation_ratio(schedule_name: str, ranks: int, microbatches: int) -> float:
+    """Peak activation memory of the schedule that runs, relative to 1F1B's (the simulator's
+    units): the plan ``auto`` re-planned to when it has run, else the schedule by name."""
+    from megatron.core import pipeline_parallel
+
+    from ..schedule.registry import build_schedule
+    from ..schedule.simulate import simulate
+
+    running = getattr(pipeline_parallel.get_forward_backward_func(), "last_schedule", None)
+    if running is None or (running.ranks, running.microbatches) != (ranks, microbatches):
+        running = build_schedule(schedule_name, ranks, microbatches)
+    return simulate(running).peak_memory_vs_1f1b
+
+
+def _v_theoretical_memory(original):
+    """report_theoretical_memory for V schedules: megatron's formulas for 1F1B (the
+    non-interleaved accounting), activations scaled by :func:`v_activation_ratio`."""
+    if getattr(original, "vshape_original", None) is not None:
+        return original
+
+    @functools.wraps(original)
+    def report_theoretical_memory(args, num_microbatches=None, verbose=False):
+        if getattr(args, "pipeline_schedule", None) not in V_SCHEDULES:
+            return original(args, num_microbatches=num_microbatches, verbose=verbose)
+        from megatron.training import theoretical_memory_usage as usage
+
+        one_chunk = copy.copy(args)
+        one_chunk.virtual_pipeline_model_parallel_size = None
+        mib = usage.NUM_BYTES_IN_MEGABYTE
+        weights = usage.compute_weight_and_optimizer_memory(one_chunk) / mib
+        activations = (usage.compute_activation_memory if args.sequence_parallel and
+                       args.recompute_granularity == "selective" else
+                       usage.compute_activation_memory_without_sp)
+        ratio = v_activation_ratio(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                                   num_microbatches or args.pipeline_model_parallel_size)
+        activation = activations(one_chunk, num_microbatches=num_microbatches) / mib * ratio
+        print(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
+              f"activation={activation:.2f} MB, total={weights + activation:.2f} MB "
+              f"({args.pipeline_schedule}: activations {ratio:.2f} x 1F1B's)\n", flush=True)
+        return weights, activation, weights + activation
+
+    report_theoretical_memory.vshape_original = original
+    return report_theoretical_memory

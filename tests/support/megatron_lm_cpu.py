@@ -1,0 +1,238 @@
+"""CPU patches of Megatron-LM core_v0.16.1's training code, for the real-loop test tier only.
+
+``tests/test_megatron_lm_e2e.py`` runs ``scripts/pretrain_gpt_vshape.py`` -- Megatron-LM's own
+``pretrain()`` loop -- on gloo processes without a GPU. Megatron-LM assumes CUDA in about a dozen
+places; each patch below names the line (../shared/megatron-lm, tag core_v0.16.1; ``core/`` is
+the pip megatron-core 0.16.1) and what it changes. None changes what is computed: they move
+device bookkeeping to the CPU, skip GPU-only compilation, and keep RNG state objects that the
+CPU has no equivalent of. The megatron-core shims the CPU tests and the demo share live in
+``megatron_vshape/megatron/cpu.py`` and are applied first.
+
+Nothing in the plugin imports this module: it is applied from outside, by the test launcher
+(``support.megatron_lm_launch``) or, for a plain ``torchrun``, by ``support/mlm_site``'s
+``sitecustomize``, exactly as a user's GPU-less checkout would have to be patched.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import types
+
+import torch
+
+__all__ = ["install_megatron_lm_cpu_patches", "configure_run", "use_fused_adam", "CpuFusedAdam",
+           "TORCH_ADAMW"]
+
+
+class _NoStream:
+    """torch.cuda.Stream stand-in: the CPU runs everything in order."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _one_fake_device():
+    """torch.cuda.device_count() == 1 and set_device a no-op, for the duration of a call."""
+    count, set_device = torch.cuda.device_count, torch.cuda.set_device
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.cuda.device_count, torch.cuda.set_device = count, set_device
+
+
+def _with_one_fake_device(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _one_fake_device():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _cuda_type_names(original):
+    """Tensor.type() without arguments as on a GPU ('torch.cuda.FloatTensor')."""
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+    return type_
+
+
+def _forked_results_queue(module):
+    def get_write_results_queue():
+        import multiprocessing
+
+        if module._results_queue is None:
+            module._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return module._results_queue
+    return get_write_results_queue
+
+
+def _stand_in_batch_invariant_kernels() -> None:
+    """initialize.py:25 imports core/transformer/custom_layers/batch_invariant_kernels.py, which
+    imports triton (GPU only, absent from CPU torch). A stand-in module takes its place; a fake
+    ``triton`` would stay importable and mislead torch's inductor, which probes for it."""
+    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("--batch-invariant-mode needs triton kernels (GPU); not on CPU")
+
+    module = types.ModuleType(name)
+    module.enable_batch_invariant_mode = module.disable_batch_invariant_mode = refuse
+    module.set_batch_invariant_mode = refuse
+    module.is_batch_invariant_mode_enabled = lambda: False
+    sys.modules.setdefault(name, module)
+
+
+def _patch_torch() -> None:
+    """CUDA calls of Megatron-LM and megatron-core that have a CPU meaning."""
+    # training.py:1258 get_model moves each chunk with Module.cuda(current_device()).
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    # training.py:1325-1344 get_model builds DDP on a side stream (cuda.Stream, stream(),
+    # current_stream().wait_stream).
+    torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    # core/rerun_state_machine.py:957 and checkpointing.py:343 save, checkpointing.py:1866/1878
+    # restore the CUDA RNG state: there is none; an empty state round-trips.
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.zeros(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda *args, **kwargs: None
+    # utils.py:284 report_memory (first logged iteration) and training.py:1940 read CUDA memory
+    # statistics: no device memory on the CPU.
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        setattr(torch.cuda, name, lambda *args, **kwargs: 0)
+    torch.cuda.memory_stats = lambda *args, **kwargs: {}
+    # core/optimizer/clip_grads.py:167, core/optimizer/optimizer.py:671/690 and
+    # core/optimizer/distrib_optimizer.py:361/420/582 compare Tensor.type() with
+    # 'torch.cuda.FloatTensor' / 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor'.
+    if not getattr(torch.Tensor.type, "vshape_cuda_names", False):
+        torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
+        torch.Tensor.type.vshape_cuda_names = True
+
+
+def _patch_megatron_lm() -> None:
+    from megatron.training import arguments, initialize, training
+
+    # initialize.py:60 asserts torch.cuda.is_available() unless allow_no_cuda (pretrain, at
+    # training.py:136, imported initialize_megatron by name).
+    original_initialize = initialize.initialize_megatron
+
+    @functools.wraps(original_initialize)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original_initialize(*args, **kwargs)
+
+    initialize.initialize_megatron = training.initialize_megatron = initialize_megatron
+    # initialize.py:319/350 initialize model parallelism only when torch.cuda.device_count() > 0
+    # (then :331 set_device); initialize.py:422 seeds the model-parallel RNG tracker (which
+    # checkpoints save and checkpointing.py:1867 requires on resume) under the same condition.
+    initialize._initialize_distributed = _with_one_fake_device(initialize._initialize_distributed)
+    initialize._set_random_seed = _with_one_fake_device(initialize._set_random_seed)
+    # initialize.py:186 runs `make` for the dataset index helpers (the pip wheel ships them
+    # built) and :224 compiles fused CUDA kernels with nvcc.
+    initialize._compile_dependencies = lambda: None
+    # initialize.py:460 warms up the GPU fusions (bias-GeLU, bias-dropout-add) with
+    # torch.compile: on CPU that is an inductor C++ build per process, seconds each, for
+    # fusions the tiny test model does not use.
+    initialize._warmup_jit_function = lambda: None
+    # core/dist_checkpointing/strategies/filesystem_async.py:54 starts the checkpoint writer's
+    # results-queue manager with the spawn method: a fresh interpreter per rank that imports
+    # torch and megatron again (~10 s per rank and first save on 2 cores). Fork it from the rank,
+    # which has them imported (speed only; the same queue).
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._get_write_results_queue = _forked_results_queue(filesystem_async)
+    # arguments.py:928 reads the GPU architecture when TP > 1 (then asks for
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, which the launcher sets): answer as a Hopper GPU.
+    arguments.get_device_arch_version = lambda: 9
+
+
+class CpuFusedAdam(torch.optim.Optimizer):
+    """apex's / Transformer Engine's FusedAdam (adam_w_mode) on the CPU, for megatron-core's
+    optimizer path that GPU clusters take.
+
+    megatron-core falls back to torch.optim.AdamW without apex or TE, and its distributed
+    optimizer cannot checkpoint that fallback (core/optimizer/distrib_optimizer.py:642 asserts
+    one per-parameter 'step' before any step exists, :940 expects 'step' among the loaded
+    tensors). FusedAdam keeps the step in each param group instead, which is what megatron's
+    TE/apex branches handle. Same update as FusedAdam: bias-corrected moments, decoupled
+    weight decay.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 adam_w_mode=True, weight_decay=0.0, **unused):
+        if not adam_w_mode:
+            raise NotImplementedError("the CPU FusedAdam stand-in implements adam_w_mode only")
+        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas,
+                                      eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            step = group["step"]
+            correction1 = 1 - beta1 ** step if group["bias_correction"] else 1.0
+            correction2 = 1 - beta2 ** step if group["bias_correction"] else 1.0
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                state["exp_avg"].mul_(beta1).add_(param.grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"] / correction2).sqrt_().add_(group["eps"])
+                update = (state["exp_avg"] / correction1) / denom
+                update.add_(param, alpha=group["weight_decay"])
+                param.add_(update, alpha=-group["lr"])
+
+
+def use_fused_adam(enabled: bool = True) -> None:
+    """Make megatron-core build :class:`CpuFusedAdam` where a GPU cluster builds apex/TE's
+    FusedAdam (core/optimizer/__init__.py:13-34 and distrib_optimizer.py:21-36 choose at
+    import); ``enabled=False`` restores torch's AdamW, megatron's CPU fallback."""
+    from megatron.core import optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
+    optimizer.Adam = CpuFusedAdam if enabled else torch.optim.AdamW
+    optimizer.USING_PYTORCH_OPTIMIZER = not enabled
+    distrib_optimizer.Adam = CpuFusedAdam if enabled else torch.optim.Adam
+    distrib_optimizer.HAVE_APEX_OR_TE = distrib_optimizer.USING_APEX_OPTIMIZER = enabled
+
+
+TORCH_ADAMW = "VSHAPE_E2E_TORCH_ADAMW"
+"""Set to 1 for a run that keeps megatron-core's torch AdamW fallback (see :func:`use_fused_adam`)."""
+
+
+def configure_run() -> None:
+    """Per-run choices, read from the environment of the run's processes."""
+    use_fused_adam(not os.environ.get(TORCH_ADAMW))
+
+
+def install_megatron_lm_cpu_patches() -> None:
+    """Apply every patch (idempotent); before Megatron-LM's training code runs."""
+    if getattr(torch, "_vshape_megatron_lm_cpu", False):
+        return
+    _stand_in_batch_invariant_kernels()
+    from megatron_vshape.megatron.cpu import allow_sequence_parallel_norms, install_cpu_shims
+
+    install_cpu_shims()
+    # Megatron-LM's local spec takes megatron's torch norm, which refuses --sequence-parallel
+    # (the norms that accept it are apex/TE GPU builds): the CPU stand-in computes the same.
+    allow_sequence_parallel_norms()
+    _patch_torch()
+    _patch_megatron_lm()
+    torch._vshape_megatron_lm_cpu = True

@@ -1,0 +1,104 @@
+"""Full-precision records of a Megatron-LM training run, for comparing schedules exactly.
+
+Megatron-LM logs losses with 6 digits; the tier compares at 1e-5 relative and wants to see
+bit-equality where there is one. :func:`install_probe` wraps ``train_step`` (each iteration's
+reduced loss dict, grad norm, skipped flag) and ``evaluate`` (each evaluation's loss dict) in
+``megatron.training.training`` -- train() and evaluate_and_print_results() look them up there
+by name -- and appends one JSON line per event to ``$VSHAPE_E2E_RECORD/rank<RANK>.jsonl``.
+Without that variable nothing is written. Test support only, like megatron_lm_cpu.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["install_probe", "Records", "read_records"]
+
+RECORD_DIR = "VSHAPE_E2E_RECORD"
+
+
+def _write(event: dict) -> None:
+    folder = os.environ.get(RECORD_DIR)
+    if not folder:
+        return
+    path = Path(folder) / f"rank{os.environ.get('RANK', '0')}.jsonl"
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps(event) + "\n")
+
+
+def _floats(loss_dict) -> dict:
+    return {key: float(value) for key, value in (loss_dict or {}).items()}
+
+
+def install_probe() -> None:
+    """Wrap train_step, evaluate_and_print_results and evaluate (idempotent)."""
+    from megatron.training import get_args, training
+
+    if getattr(training.train_step, "vshape_probe", False):
+        return
+    train_step, evaluate_and_print = training.train_step, training.evaluate_and_print_results
+    evaluate = training.evaluate
+    where = {}  # the evaluation being run: its prefix and iteration
+
+    @functools.wraps(train_step)
+    def probed_train_step(*args, **kwargs):
+        result = train_step(*args, **kwargs)
+        loss, skipped, grad_norm = result[0], result[1], result[5]
+        _write({"kind": "train", "iteration": get_args().curr_iteration + 1,
+                "loss": _floats(loss), "grad_norm": None if grad_norm is None else
+                float(grad_norm), "skipped": int(skipped)})
+        return result
+
+    @functools.wraps(evaluate_and_print)
+    def probed_evaluate_and_print(prefix, *args, **kwargs):
+        where.update(prefix=prefix, iteration=args[3] if len(args) > 3 else kwargs["iteration"])
+        return evaluate_and_print(prefix, *args, **kwargs)
+
+    @functools.wraps(evaluate)
+    def probed_evaluate(*args, **kwargs):
+        result = evaluate(*args, **kwargs)
+        _write({"kind": "eval", **where, "loss": _floats(result[0])})
+        return result
+
+    probed_train_step.vshape_probe = True
+    training.train_step = probed_train_step
+    training.evaluate_and_print_results = probed_evaluate_and_print
+    training.evaluate = probed_evaluate
+
+
+@dataclass
+class Records:
+    """One rank's records: ``train[i]`` = iteration i+1's {'loss', 'grad_norm', ...}."""
+
+    train: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+
+    def since(self, iteration: int) -> "Records":
+        """Training records from ``iteration`` on, and the evaluations run there."""
+        return Records([e for e in self.train if e["iteration"] >= iteration],
+                       [e for e in self.evals if e["iteration"] >= iteration])
+
+    def losses(self, key: str = "lm loss") -> list:
+        return [event["loss"][key] for event in self.train]
+
+    def grad_norms(self) -> list:
+        return [event["grad_norm"] for event in self.train]
+
+    def iterations(self) -> list:
+        return [event["iteration"] for event in self.train]
+
+    def eval_losses(self, key: str = "lm loss") -> list:
+        return [(event["prefix"], event["iteration"], event["loss"][key]) for event in self.evals]
+
+
+def read_records(folder: str | Path, rank: int) -> Records:
+    """The records global rank ``rank`` wrote (the last rank holds the loss in Megatron-LM)."""
+    records = Records()
+    path = Path(folder) / f"rank{rank}.jsonl"
+    for line in path.read_text(encoding="utf-8").splitlines():
+        event = json.loads(line)
+        (records.train if event["kind"] == "train" else records.evals).append(event)
+    return records
