@@ -90,3 +90,39 @@ def test_uneven_layers_come_from_rank_0_first():
     assert stage_layers(13, 4) == (1, 1, 2, 2, 2, 2, 2, 1)
     assert stage_layers(16, 4) == (2,) * 8
     assert sum(stage_layers(30, 4)) == 30
+
+
+# -- checkpoints across schedules (megatron/checkpoints.py) -------------------------------------
+def _ns(**fields):
+    return types.SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("args,layout", [
+    (_ns(pipeline_schedule="v-half", virtual_pipeline_model_parallel_size=2), "v"),
+    (_ns(pipeline_schedule="auto", virtual_pipeline_model_parallel_size=2), "v"),
+    (_ns(pipeline_schedule="zb-1p", virtual_pipeline_model_parallel_size=None), "single"),
+    (_ns(pipeline_schedule="interleaved-1f1b", virtual_pipeline_model_parallel_size=2), "loop"),
+    (_ns(virtual_pipeline_model_parallel_size=None), "single"),  # plain pretrain_gpt.py
+    (_ns(virtual_pipeline_model_parallel_size=3), "loop"),
+])
+def test_checkpoint_layouts(args, layout):
+    from megatron_vshape.megatron.checkpoints import layout_of
+
+    assert layout_of(args) == layout
+
+
+def test_dp_reshardable_optimizer_state_of_another_layout_is_refused():
+    from megatron_vshape.megatron.checkpoints import check_optimizer_layout
+
+    saved = _ns(virtual_pipeline_model_parallel_size=None)  # megatron's own pretrain_gpt.py
+    run = _ns(pipeline_schedule="v-min")
+    with pytest.raises(ValueError, match=r"--pipeline-schedule 1f1b \(single layout\).*v-min "
+                                         r"builds other buckets.*--no-load-optim"):
+        check_optimizer_layout(saved, "dp_reshardable", run, "ckpt/iter_0000002")
+    # same layout, a reshardable format, or no distributed-optimizer state: nothing to refuse
+    check_optimizer_layout(_ns(pipeline_schedule="v-zb"), "dp_reshardable", run, "x")
+    check_optimizer_layout(saved, "fully_reshardable", run, "x")
+    check_optimizer_layout(saved, "fully_sharded_model_space", run, "x")
+    check_optimizer_layout(saved, None, run, "x")
+    check_optimizer_layout(_ns(pipeline_schedule="zb-1p"), "dp_reshardable",
+                           _ns(pipeline_schedule="1f1b"), "x")
