@@ -2,8 +2,8 @@
 from pathlib import Path
 
 from megatron_vshape.schedule import SCHEDULES, build_schedule
-from megatron_vshape.schedule.render_text import render_steps
-from megatron_vshape.schedule.torch_csv import to_torch_csv
+from megatron_vshape.schedule.io.render_text import render_steps
+from megatron_vshape.schedule.io.torch_csv import to_torch_csv
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
 

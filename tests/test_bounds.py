@@ -1,11 +1,11 @@
-"""The memory lower bound on the makespan (schedule/bounds.py): valid, and what it rules out."""
+"""The memory lower bound on the makespan (schedule/search/bounds.py): valid, and what it rules out."""
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_vshape.schedule import Costs, build_schedule, simulate
-from megatron_vshape.schedule.bounds import lifetime_per_microbatch, makespan_floor
-from megatron_vshape.schedule.costs import MemoryModel
-from megatron_vshape.schedule.placement import Layout, Placement
+from megatron_vshape.schedule.search.bounds import lifetime_per_microbatch, makespan_floor
+from megatron_vshape.schedule.model.costs import MemoryModel
+from megatron_vshape.schedule.model.placement import Layout, Placement
 
 UNBALANCED = (1.0, 1.2, 0.8)
 

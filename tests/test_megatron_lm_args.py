@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from megatron_vshape.megatron.megatron_lm import add_arguments, check_arguments, vshape_config
-from megatron_vshape.schedule.limits import MemoryLimit
+from megatron_vshape.schedule.model.limits import MemoryLimit
 
 
 def _args(argv=(), **megatron):

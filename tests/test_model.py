@@ -4,7 +4,7 @@ from hypothesis import given, strategies as st
 
 from megatron_vshape.schedule import (Action, Costs, Layout, PassKind, Placement, ScheduleError,
                                       build_schedule, parse_action, simulate)
-from megatron_vshape.schedule.deps import dependencies
+from megatron_vshape.schedule.model.deps import dependencies
 
 
 @given(st.sampled_from(list(PassKind)), st.integers(0, 10**4), st.integers(0, 10**4))

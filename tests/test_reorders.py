@@ -3,10 +3,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import Layout, Placement, PassKind, Schedule, simulate, validate
-from megatron_vshape.schedule.blocks import V_HALF, V_MIN, ZB_1P
-from megatron_vshape.schedule.compose import REORDERS, compose, repeat
-from megatron_vshape.schedule.simulate import peak_memory
-from megatron_vshape.schedule.zbv import zbv_order
+from megatron_vshape.schedule.build.blocks import V_HALF, V_MIN, ZB_1P
+from megatron_vshape.schedule.build.compose import REORDERS, compose, repeat
+from megatron_vshape.schedule.model.simulate import peak_memory
+from megatron_vshape.schedule.build.zbv import zbv_order
 
 
 def _schedule(orders, layout, p, m):
@@ -61,7 +61,7 @@ def test_unknown_reorder_is_named():
 @pytest.mark.parametrize("p", [4, 8])
 def test_continuous_block_at_uniform_costs_is_v_min(p):
     from megatron_vshape.schedule import Costs, build_schedule
-    from megatron_vshape.schedule.periodic import periodic_block, periodic_orders
+    from megatron_vshape.schedule.build.periodic import periodic_block, periodic_orders
 
     m = 4 * p
     schedule = _schedule(periodic_orders(periodic_block(p, Costs.build(p)), m), Layout.V, p, m)
@@ -76,7 +76,7 @@ def test_continuous_block_at_uniform_costs_is_v_min(p):
        costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)))
 def test_timed_replay_is_valid_keeps_the_cap_and_times_like_the_simulator(p, m_factor, window, costs):
     from megatron_vshape.schedule import Costs, ScheduleError, build_schedule
-    from megatron_vshape.schedule.timed import replay_in_time
+    from megatron_vshape.schedule.build.timed import replay_in_time
 
     m = max(1, round(m_factor * p))
     base = build_schedule("v-half", p, m)

@@ -14,7 +14,7 @@ from megatron_vshape.runtime.p2p import TensorSpec, Transport
 from megatron_vshape.runtime.streams import route_of
 from megatron_vshape.runtime.toy import ToyModel, build_layers, make_batch, reference_step
 from megatron_vshape.schedule import SCHEDULES, PassKind, ValidationError, build_schedule, lower
-from megatron_vshape.schedule.lower import message_of
+from megatron_vshape.schedule.model.lower import message_of
 
 
 def _model(kind="transformer"):

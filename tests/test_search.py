@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_vshape.cli import main
 from megatron_vshape.schedule import Costs, ScheduleError, build_schedule, simulate, validate
-from megatron_vshape.schedule.search import (InfeasibleMemoryError, _search_cached, frontier,
+from megatron_vshape.schedule.search.adaptive import (InfeasibleMemoryError, _search_cached, frontier,
                                              memory_limit_units, search)
 
 UNBALANCED = (1.0, 1.2, 0.8)

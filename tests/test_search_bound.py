@@ -20,7 +20,7 @@ runs only with ``VSHAPE_PROOFS=1``::
 The model, in slots (every chunk pass takes one):
 
 - one interval per (kind, stage, microbatch), no two overlapping on a rank;
-- the dependency rule of ``schedule/deps.py`` as precedences (uniform costs, no comm);
+- the dependency rule of ``schedule/model/deps.py`` as precedences (uniform costs, no comm);
 - a reservoir per rank: +1 at each F's start, -1 at each W's end, level within 0..4 (the
   paper's memory model, as ``peak_memory`` counts it along a rank's order);
 - every stage runs its F and B passes in microbatch order. This loses nothing: microbatches
@@ -35,8 +35,8 @@ import os
 import pytest
 
 from megatron_vshape.schedule import Costs, Layout, Placement, build_schedule, simulate
-from megatron_vshape.schedule.actions import Action, PassKind
-from megatron_vshape.schedule.deps import completion_key, dependencies
+from megatron_vshape.schedule.model.actions import Action, PassKind
+from megatron_vshape.schedule.model.deps import completion_key, dependencies
 
 pytestmark = pytest.mark.skipif(os.environ.get("VSHAPE_PROOFS") != "1",
                                 reason="slow machine proof; set VSHAPE_PROOFS=1 (needs ortools)")

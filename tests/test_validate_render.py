@@ -10,9 +10,9 @@ import pytest
 from megatron_vshape.cli import main
 from megatron_vshape.schedule import (SCHEDULES, Action, PassKind, ValidationError, build_schedule, lower,
                                       parse_costs, simulate, validate)
-from megatron_vshape.schedule.render_text import render_grid, render_steps
-from megatron_vshape.schedule.simulate import DeadlockError
-from megatron_vshape.schedule.torch_csv import from_torch_csv, to_torch_csv
+from megatron_vshape.schedule.io.render_text import render_grid, render_steps
+from megatron_vshape.schedule.model.simulate import DeadlockError
+from megatron_vshape.schedule.io.torch_csv import from_torch_csv, to_torch_csv
 
 GOLDEN = Path(__file__).parent / "golden"
 NAMES = ["1f1b", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb"]

@@ -33,7 +33,7 @@ def register(sub) -> None:
 
 def _settings(args):
     from ..megatron.demo import DEMO_SCHEDULES, DemoSettings
-    from ..schedule.limits import MemoryLimit
+    from ..schedule.model.limits import MemoryLimit
 
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     bad = [n for n in names if n not in DEMO_SCHEDULES]
@@ -144,7 +144,7 @@ def _print_table(settings, rows, runs) -> None:
 def _pictures(settings, runs, rows, out: Path) -> list[Path]:
     """One timeline per schedule: measured for ours, simulated for megatron's 1F1B."""
     from ..schedule import build_schedule, parse_action, simulate
-    from ..schedule.schedule import Schedule
+    from ..schedule.model.schedule import Schedule
 
     written = []
     for row, (name, run) in zip(rows, runs.items()):
@@ -167,7 +167,7 @@ def _pictures(settings, runs, rows, out: Path) -> list[Path]:
 
 def _draw(schedule, start, end, stem: Path, title: str) -> Path:
     """PNG with matplotlib, else SVG."""
-    from ..schedule.render_image import render_png, render_svg
+    from ..schedule.io.render_image import render_png, render_svg
 
     try:
         render_png(schedule, start, end, str(stem.with_suffix(".png")), title)

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 from ..schedule import (SCHEDULES, ScheduleError, build_schedule, parse_costs, simulate, validate)
-from ..schedule.bounds import makespan_floor
-from ..schedule.limits import MemoryLimit, parse_bytes
+from ..schedule.search.bounds import makespan_floor
+from ..schedule.model.limits import MemoryLimit, parse_bytes
 from ..schedule.search import frontier, search
-from ..schedule.render_image import render_png, render_svg
-from ..schedule.render_text import render_grid
-from ..schedule.torch_csv import to_torch_csv
+from ..schedule.io.render_image import render_png, render_svg
+from ..schedule.io.render_text import render_grid
+from ..schedule.io.torch_csv import to_torch_csv
 
 __all__ = ["register", "add_schedule_arguments", "memory_limit"]
 
@@ -206,7 +206,7 @@ def _frontier(args) -> int:
 
 
 def _plot_frontier(args, costs, rows) -> None:
-    from ..schedule.render_image import plot_frontier
+    from ..schedule.io.render_image import plot_frontier
 
     fixed = []
     for name in ("1f1b", "zb-1p", "v-min", "v-half", "v-zb"):

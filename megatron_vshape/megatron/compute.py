@@ -19,8 +19,8 @@ import torch
 from ..runtime.backward import run_backward
 from ..runtime.wgrad import WeightGradStore
 from .wgrad import store_of, te_wgrad_modules
-from ..schedule.actions import PassKind
-from ..schedule.schedule import Schedule
+from ..schedule.model.actions import PassKind
+from ..schedule.model.schedule import Schedule
 
 __all__ = ["MegatronStages"]
 

@@ -23,9 +23,9 @@ from ..runtime.interpreter import PipelineRunner, RunnerConfig
 from ..runtime.p2p import TensorSpec
 from ..runtime.profile import PassProfile
 from ..runtime.streams import StreamGroups
-from ..schedule.limits import MemoryLimit
+from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, build_schedule
-from ..schedule.simulate import simulate
+from ..schedule.model.simulate import simulate
 from .compute import MegatronStages
 from .model import sum_tied_embedding_grads
 from .replan import Replanner

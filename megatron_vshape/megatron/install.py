@@ -13,7 +13,7 @@ import importlib
 import sys
 from dataclasses import dataclass
 
-from ..schedule.limits import MemoryLimit
+from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES
 from .forward_backward import VShapeForwardBackward
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..schedule.placement import stage_layer_counts
+from ..schedule.model.placement import stage_layer_counts
 
 __all__ = ["stage_layers", "patch_layer_placement"]
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..schedule.limits import MemoryLimit
+from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES
 from .install import VShapeConfig
 

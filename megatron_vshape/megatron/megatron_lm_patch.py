@@ -108,7 +108,7 @@ def v_activation_ratio(schedule_name: str, ranks: int, microbatches: int) -> flo
     from megatron.core import pipeline_parallel
 
     from ..schedule.registry import build_schedule
-    from ..schedule.simulate import simulate
+    from ..schedule.model.simulate import simulate
 
     running = getattr(pipeline_parallel.get_forward_backward_func(), "last_schedule", None)
     if running is None or (running.ranks, running.microbatches) != (ranks, microbatches):

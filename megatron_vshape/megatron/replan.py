@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from ..runtime.memory import ActivationTracker
 from ..runtime.profile import PassProfile, measure_hop_latency
-from ..schedule.costs import Costs
-from ..schedule.limits import MemoryLimit
-from ..schedule.schedule import Schedule
-from ..schedule.simulate import simulate
+from ..schedule.model.costs import Costs
+from ..schedule.model.limits import MemoryLimit
+from ..schedule.model.schedule import Schedule
+from ..schedule.model.simulate import simulate
 
 __all__ = ["Replanner"]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..schedule.costs import Costs
+from ..schedule.model.costs import Costs
 from .model import ModelConfig
 from .settings import ClusterConfig, TrainingConfig
 from .shares import ChunkShare

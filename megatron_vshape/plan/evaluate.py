@@ -3,7 +3,7 @@
 Memory per rank = parameters, gradients and optimizer state of its chunks (:mod:`.memory`)
 plus its peak activation bytes, found by walking the schedule's order for that rank; the point
 fits when every rank stays within the GPU's memory less the reserve. Time = the simulator's
-makespan (:func:`megatron_vshape.schedule.simulate`) with per-rank costs from the part times
+makespan (:func:`megatron_vshape.schedule.model.simulate`) with per-rank costs from the part times
 (:mod:`.cost` or a profile file) and the pipeline hop, plus the exposed data-parallel
 communication. ``auto`` searches (:func:`megatron_vshape.schedule.search`) for the fastest V
 schedule under the memory left on the tightest rank.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..schedule import Costs, MemoryModel, ScheduleError, build_schedule, simulate
-from ..schedule.placement import Layout as StageLayout, Placement
+from ..schedule.model.placement import Layout as StageLayout, Placement
 from ..schedule.search import InfeasibleMemoryError, memory_limit_units, search
 from .candidates import NO_PIPELINE, GridPoint
 from .cost import (PartTimes, analytic_times, dp_seconds, model_flops_per_sample, p2p_seconds,

@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..schedule.actions import PassKind
-from ..schedule.schedule import Schedule
+from ..schedule.model.actions import PassKind
+from ..schedule.model.schedule import Schedule
 from .model import ModelConfig
 from .settings import TrainingConfig
 from .shares import ChunkShare

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedule.placement import Placement, stage_layer_counts
+from ..schedule.model.placement import Placement, stage_layer_counts
 from .model import ModelConfig
 
 __all__ = ["ChunkShare", "stage_layer_counts", "rank_shares", "whole_model_share"]

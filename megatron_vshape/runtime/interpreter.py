@@ -31,12 +31,12 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..schedule.actions import Action, PassKind, ScheduleError
-from ..schedule.costs import Costs
-from ..schedule.lower import lower
-from ..schedule.schedule import Schedule
-from ..schedule.simulate import action_durations
-from ..schedule.validate import validate
+from ..schedule.model.actions import Action, PassKind, ScheduleError
+from ..schedule.model.costs import Costs
+from ..schedule.model.lower import lower
+from ..schedule.model.schedule import Schedule
+from ..schedule.model.simulate import action_durations
+from ..schedule.model.validate import validate
 from .backward import deallocate
 from .memory import ActivationTracker
 from .p2p import TensorSpec, Transport

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..schedule.actions import Action
+from ..schedule.model.actions import Action
 from .streams import Route, StreamGroups
 
 __all__ = ["TensorSpec", "P2PError", "Transport"]

@@ -1,6 +1,6 @@
 """Per-pass profiling: measured T_F, T_B, T_W per stage (and T_comm), as simulator Costs.
 
-The adaptive scheduler (schedule/search.py) plans from costs; this turns the interpreter's
+The adaptive scheduler (schedule/search/adaptive.py) plans from costs; this turns the interpreter's
 timelines (``StepResult.timeline``: every compute pass's start and end) into those costs:
 the median duration of each pass kind per stage over the profiled steps, summed over a rank's
 chunks into the per-rank-share costs the simulator takes. T_comm is a ping-pong over one of the
@@ -16,9 +16,9 @@ from collections import defaultdict, deque
 import torch
 import torch.distributed as dist
 
-from ..schedule.actions import PassKind
-from ..schedule.costs import Costs
-from ..schedule.placement import Placement
+from ..schedule.model.actions import PassKind
+from ..schedule.model.costs import Costs
+from ..schedule.model.placement import Placement
 from .streams import StreamGroups
 
 __all__ = ["PassProfile", "measure_hop_latency"]

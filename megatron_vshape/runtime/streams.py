@@ -20,9 +20,9 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from ..schedule.actions import Action, PassKind
-from ..schedule.lower import message_of
-from ..schedule.placement import Placement
+from ..schedule.model.actions import Action, PassKind
+from ..schedule.model.lower import message_of
+from ..schedule.model.placement import Placement
 
 __all__ = ["Route", "StreamGroups", "route_of"]
 
@@ -40,7 +40,7 @@ class Route:
 
 
 def route_of(action: Action, placement: Placement) -> Route:
-    """The route of a lowered send/receive action (see :func:`..schedule.lower.message_of`)."""
+    """The route of a lowered send/receive action (see :func:`..schedule.model.lower.message_of`)."""
     message = message_of(action)
     kind, producer, _ = message
     boundary = producer if kind == "activation" else producer - 1

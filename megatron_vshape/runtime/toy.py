@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..schedule.placement import Placement
+from ..schedule.model.placement import Placement
 from .memory import ActivationTracker
 from .stages import ModuleStages
 from .wgrad import WeightGradStore, defer_linear_weight_grads

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..schedule.costs import Costs
+from ..schedule.model.costs import Costs
 from ..schedule.registry import build_schedule
-from ..schedule.simulate import simulate
+from ..schedule.model.simulate import simulate
 from .interpreter import PipelineRunner, RunnerConfig
 from .memory import ActivationTracker
 from .p2p import TensorSpec

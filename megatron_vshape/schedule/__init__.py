@@ -1,18 +1,29 @@
-"""Pure-Python schedule core: actions, building blocks, compose, search, simulate, validate, render.
+"""Pure-Python schedule core, standard library only (no torch, numpy or megatron): it runs on a
+laptop. Grouped by job::
 
-Standard library only (no torch, numpy or megatron), so it runs on a laptop.
+    model/    what a schedule is and what it costs: actions, placement, the Schedule value,
+              costs and memory model, the dependency rule, simulator, validator, limits, lower
+    build/    orders from building blocks: blocks, repeat/squeeze (compose), reorders,
+              V family, continuous offsets, timed replay, the named (paper) orders
+    search/   choosing the best order: the adaptive search under a memory limit, bounds
+    io/       text/SVG/PNG renderers, torch.distributed.pipelining CSV
+    registry  schedule names -> schedules (the one place names are looked up)
+
+Imports point down that list: model imports nothing of the others (but io's step renderer for
+error messages), build imports model, search imports build and model, registry all of them.
 """
-from .actions import Action, PassKind, ScheduleError, parse_action
-from .blocks import BuildingBlock, BlockFamily
-from .compose import compose, repeat
-from .costs import Costs, MemoryModel, parse_costs
-from .lower import lower
-from .placement import Layout, Placement
+from .build.blocks import BlockFamily, BuildingBlock
+from .build.compose import compose, repeat
+from .model.actions import Action, PassKind, ScheduleError, parse_action
+from .model.costs import Costs, MemoryModel, parse_costs
+from .model.limits import memory_limit_units
+from .model.lower import lower
+from .model.placement import Layout, Placement
+from .model.schedule import Schedule
+from .model.simulate import SimResult, simulate
+from .model.validate import ValidationError, validate
 from .registry import SCHEDULES, build_schedule
-from .schedule import Schedule
-from .search import InfeasibleMemoryError, SearchResult, frontier, memory_limit_units, search
-from .simulate import SimResult, simulate
-from .validate import ValidationError, validate
+from .search.adaptive import InfeasibleMemoryError, SearchResult, frontier, search
 
 __all__ = [
     "Action", "PassKind", "ScheduleError", "parse_action", "BuildingBlock", "BlockFamily",

@@ -14,7 +14,7 @@ import statistics
 import time
 
 from megatron_vshape.schedule import build_schedule, parse_costs, simulate
-from megatron_vshape.schedule.search import InfeasibleMemoryError, _search_cached, memory_limit_units, search
+from megatron_vshape.schedule.search.adaptive import InfeasibleMemoryError, _search_cached, memory_limit_units, search
 
 
 def main() -> None:

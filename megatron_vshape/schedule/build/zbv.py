@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .actions import Action, PassKind
-from .placement import Layout, Placement
+from ..model.actions import Action, PassKind
+from ..model.placement import Layout, Placement
 
 __all__ = ["zbv_order"]
 

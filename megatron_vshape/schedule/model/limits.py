@@ -1,7 +1,7 @@
 """A memory limit as users give it: a fraction of 1F1B's peak, or bytes per GPU.
 
 The search works in units (one microbatch's activations of one rank's layer share, see
-``search.memory_limit_units``). A fraction converts once p and m are known; bytes convert once
+:func:`memory_limit_units`). A fraction converts once p and m are known; bytes convert once
 the bytes of a unit are known too, which training measures in its first profiled iterations
 (megatron/replan.py). ``MemoryLimit.parse("0.5")`` and ``MemoryLimit.parse("40GiB")`` are what
 ``--memory-limit`` and Megatron-LM's ``--pipeline-memory-limit`` accept.
@@ -12,9 +12,8 @@ import re
 from dataclasses import dataclass
 
 from .actions import ScheduleError
-from .search import memory_limit_units
 
-__all__ = ["MemoryLimit", "parse_bytes", "BYTE_UNITS"]
+__all__ = ["MemoryLimit", "parse_bytes", "BYTE_UNITS", "memory_limit_units"]
 
 BYTE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6,
               "gb": 1e9, "tb": 1e12}
@@ -76,3 +75,24 @@ class MemoryLimit:
         if self.fraction is not None:
             return f"{self.fraction:g} of 1F1B"
         return f"{self.bytes / 2**30:.4g} GiB"
+
+
+def memory_limit_units(ranks: int, microbatches: int, fraction: float | None = None,
+                       limit_bytes: float | None = None, activation_bytes: float | None = None) -> float:
+    """A memory limit in units (one microbatch's activations of one rank's share of layers).
+
+    Either ``fraction`` of 1F1B's peak (min(p, m) units), or ``limit_bytes`` together with
+    ``activation_bytes`` (the bytes of one such unit).
+    """
+    if fraction is not None:
+        if limit_bytes is not None:
+            raise ScheduleError("give the memory limit as a fraction of 1F1B or in bytes, not both")
+        if not fraction > 0:
+            raise ScheduleError(f"memory limit fraction must be > 0 (e.g. 0.5), got {fraction!r}")
+        return fraction * min(ranks, microbatches)
+    if limit_bytes is None or activation_bytes is None:
+        raise ScheduleError("a memory limit in bytes needs the per-microbatch activation bytes too")
+    if limit_bytes <= 0 or activation_bytes <= 0:
+        raise ScheduleError(f"memory limit bytes and activation bytes must be > 0, got "
+                            f"{limit_bytes!r}, {activation_bytes!r}")
+    return limit_bytes / activation_bytes

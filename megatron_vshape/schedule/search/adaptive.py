@@ -32,16 +32,18 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import PassKind, ScheduleError
-from .blocks import V_HALF, V_MIN, V_ZB
-from .compose import compose, repeat
-from .costs import Costs, MemoryModel
-from .family import v_block, v_family
-from .periodic import periodic_block, periodic_orders
-from .placement import Layout, Placement
-from .schedule import Schedule
-from .simulate import SimResult, peak_memory, simulate
-from .timed import Replay, replay_in_time
+from ..model.actions import PassKind, ScheduleError
+from ..build.blocks import V_HALF, V_MIN, V_ZB
+from ..build.compose import compose, repeat
+from ..build.named import paper_schedule
+from ..model.costs import Costs, MemoryModel
+from ..model.limits import memory_limit_units
+from ..build.family import v_block, v_family
+from ..build.periodic import periodic_block, periodic_orders
+from ..model.placement import Layout, Placement
+from ..model.schedule import Schedule
+from ..model.simulate import SimResult, peak_memory, simulate
+from ..build.timed import Replay, replay_in_time
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
 
@@ -76,27 +78,6 @@ class SearchResult:
     seconds: float
     candidates: int
     """How many candidates were timed."""
-
-
-def memory_limit_units(ranks: int, microbatches: int, fraction: float | None = None,
-                       limit_bytes: float | None = None, activation_bytes: float | None = None) -> float:
-    """A memory limit in units (one microbatch's activations of one rank's share of layers).
-
-    Either ``fraction`` of 1F1B's peak (min(p, m) units), or ``limit_bytes`` together with
-    ``activation_bytes`` (the bytes of one such unit).
-    """
-    if fraction is not None:
-        if limit_bytes is not None:
-            raise ScheduleError("give the memory limit as a fraction of 1F1B or in bytes, not both")
-        if not fraction > 0:
-            raise ScheduleError(f"memory limit fraction must be > 0 (e.g. 0.5), got {fraction!r}")
-        return fraction * min(ranks, microbatches)
-    if limit_bytes is None or activation_bytes is None:
-        raise ScheduleError("a memory limit in bytes needs the per-microbatch activation bytes too")
-    if limit_bytes <= 0 or activation_bytes <= 0:
-        raise ScheduleError(f"memory limit bytes and activation bytes must be > 0, got "
-                            f"{limit_bytes!r}, {activation_bytes!r}")
-    return limit_bytes / activation_bytes
 
 
 @dataclass(frozen=True)
@@ -198,9 +179,7 @@ def _key(candidate: _Candidate) -> tuple:
 
 
 def _named(name: str, p: int, m: int) -> tuple:
-    from .registry import build_schedule  # registry imports search for "auto"
-
-    return build_schedule(name, p, m).rank_actions
+    return paper_schedule(name, p, m).rank_actions
 
 
 def _named_over(family, p: int, m: int, limit: float, memory: MemoryModel) -> bool:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .actions import Action, PassKind, ScheduleError
-from .costs import Costs
-from .placement import Layout, Placement
+from ..model.actions import Action, PassKind, ScheduleError
+from ..model.costs import Costs
+from ..model.placement import Layout, Placement
 
 __all__ = ["PeriodicBlock", "periodic_block", "periodic_orders"]
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .actions import Action, PassKind, ScheduleError
-from .deps import completion_key, dependencies
-from .placement import Placement
+from ..model.actions import Action, PassKind, ScheduleError
+from ..model.deps import completion_key, dependencies
+from ..model.placement import Placement
 
 __all__ = ["ReorderPolicy", "POLICIES", "list_schedule"]
 

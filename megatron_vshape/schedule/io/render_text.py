@@ -7,8 +7,8 @@ chunk 0 (the V's down-leg), f/b/w for chunk 1, ``X``/``x`` for a fused BW, ``.``
 """
 from __future__ import annotations
 
-from .actions import PassKind
-from .schedule import Schedule
+from ..model.actions import PassKind
+from ..model.schedule import Schedule
 
 __all__ = ["pass_label", "render_grid", "render_steps"]
 

@@ -22,10 +22,10 @@ import functools
 import heapq
 from typing import NamedTuple
 
-from .actions import Action, PassKind, ScheduleError
-from .costs import Costs, MemoryModel
-from .deps import hop_table
-from .placement import Placement
+from ..model.actions import Action, PassKind, ScheduleError
+from ..model.costs import Costs, MemoryModel
+from ..model.deps import hop_table
+from ..model.placement import Placement
 
 __all__ = ["Replay", "replay_in_time"]
 

@@ -13,9 +13,9 @@ exceed the bound waits, and a W runs to make room.
 """
 from __future__ import annotations
 
-from .actions import Action, PassKind, ScheduleError
-from .deps import completion_key, dependency_table
-from .placement import Placement
+from ..model.actions import Action, PassKind, ScheduleError
+from ..model.deps import completion_key, dependency_table
+from ..model.placement import Placement
 
 __all__ = ["cool_down"]
 

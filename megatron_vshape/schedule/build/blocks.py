@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import PassKind, ScheduleError
-from .placement import Layout
+from ..model.actions import PassKind, ScheduleError
+from ..model.placement import Layout
 
 __all__ = ["BuildingBlock", "BlockFamily", "V_MIN", "V_HALF", "V_ZB", "ONE_F_ONE_B", "ZB_1P"]
 

@@ -6,9 +6,9 @@ outline and hatching so the two legs of the V can be told apart.
 """
 from __future__ import annotations
 
-from .actions import PassKind
+from ..model.actions import PassKind
 from .render_text import pass_label
-from .schedule import Schedule
+from ..model.schedule import Schedule
 
 __all__ = ["render_svg", "render_png", "PASS_COLOURS"]
 

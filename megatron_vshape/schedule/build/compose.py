@@ -22,13 +22,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from .actions import Action, PassKind, ScheduleError
+from ..model.actions import Action, PassKind, ScheduleError
 from .blocks import BuildingBlock
 from .cooldown import cool_down
 from .list_scheduler import POLICIES, list_schedule
-from .placement import Placement
-from .schedule import Schedule
-from .simulate import peak_memory, simulate
+from ..model.placement import Placement
+from ..model.schedule import Schedule
+from ..model.simulate import peak_memory, simulate
 from .zbv import zbv_order
 
 __all__ = ["repeat", "compose", "REORDERS"]

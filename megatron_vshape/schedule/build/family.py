@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .actions import PassKind
+from ..model.actions import PassKind
 from .blocks import BuildingBlock
-from .placement import Layout
+from ..model.placement import Layout
 
 __all__ = ["VOffsets", "v_block", "v_family"]
 

@@ -20,7 +20,7 @@ from .actions import Action, PassKind, ScheduleError
 from .costs import MemoryModel
 from .deps import completion_key, dependencies
 from .lower import lower, message_of
-from .render_text import render_steps
+from ..io.render_text import render_steps
 from .schedule import Schedule
 from .simulate import DeadlockError, peak_memory, simulate
 

@@ -16,8 +16,8 @@ argued by hand.
 """
 from __future__ import annotations
 
-from .costs import Costs, MemoryModel
-from .placement import Placement
+from ..model.costs import Costs, MemoryModel
+from ..model.placement import Placement
 
 __all__ = ["lifetime_per_microbatch", "makespan_floor"]
 

@@ -10,9 +10,9 @@ import csv
 import io
 import re
 
-from .actions import Action, PassKind, ScheduleError
-from .placement import Layout, Placement
-from .schedule import Schedule
+from ..model.actions import Action, PassKind, ScheduleError
+from ..model.placement import Layout, Placement
+from ..model.schedule import Schedule
 
 __all__ = ["to_torch_csv", "from_torch_csv"]
 
