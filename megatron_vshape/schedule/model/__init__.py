@@ -1,1 +1,3 @@
-"""model"""
+"""What a schedule is: actions and placements, the per-rank orders, pass costs, dependencies, the
+simulator that times an order, the lowering to runtime actions, memory limits and the validator.
+Imports nothing from build/, search/ or io/."""
