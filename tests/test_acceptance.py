@@ -21,7 +21,7 @@ def test_peak_memory_is_exact_for_uniform_costs(name, p):
 
 
 def _bubble(name, p=8, m=32):
-    return simulate(build_schedule(name, p, m))
+    return simulate(build_schedule(name, p, m, variant="paper"))
 
 
 def test_bubble_rates_at_p8_m32():

@@ -41,3 +41,13 @@ def test_schedule_bench_times_every_schedule():
     for row in timed.values():
         assert row["total_s"] >= row["generate_s"] >= 0 and 0 <= row["bubble_rate"] < 1
     assert timed["v-min"]["peak_memory_max"] < timed["1f1b"]["peak_memory_max"]
+
+
+def test_named_levels_bench_reports_each_name_against_1f1b_and_the_paper():
+    rows = _lines("named_levels.py", "--ranks", "4", "--per-rank", "4", "--names", "zb-1p",
+                  "v-half", "--repeats", "1")
+    assert [(r["schedule"], r["microbatches"]) for r in rows] == [("zb-1p", 16), ("v-half", 16)]
+    for row in rows:
+        assert row["vs_1f1b"] <= row["paper_vs_1f1b"] + 1e-9  # never slower than the paper
+        assert row["peak_memory_max"] <= {"zb-1p": 4, "v-half": 3}[row["schedule"]] + 1e-9
+        assert row["build_s_median"] > 0 and row["memory_model"] == "1,-0.75,-0.25"

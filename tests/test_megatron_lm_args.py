@@ -43,7 +43,12 @@ def test_v_schedule_flags_become_the_plugin_config():
     assert config.schedule == "auto" and config.memory_limit == MemoryLimit(bytes=40 * 2**30)
     assert config.replan_after == 5 and config.timeout == 30 and config.losses_on_last_rank
     half = vshape_config(_args(["--pipeline-schedule", "v-half"]))
-    assert half.replan_after == 0 and half.memory_limit is None  # re-planning is auto's
+    assert half.replan_after == 3 and half.memory_limit is None  # a memory level re-plans too
+    assert half.variant == "fastest"
+    paper = vshape_config(_args(["--pipeline-schedule", "v-half",
+                                 "--pipeline-schedule-variant", "paper"]))
+    assert paper.replan_after == 0 and paper.variant == "paper"  # the paper's order is fixed
+    assert vshape_config(_args(["--pipeline-schedule", "1f1b"])).replan_after == 0
 
 
 def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):

@@ -332,7 +332,9 @@ def test_vshape_collect_reads_the_runs_logs(runs, tmp_path):
         last = trained(runs, key, PP4 if key == "pp4" else VARIANTS[key][0], schedule)
         assert float(row["lm_loss"]) == pytest.approx(last.records.losses()[-1], rel=1e-6)
         assert (row["plan_schedule"] or None) == (None if schedule == "1f1b" else schedule)
-    assert int(rows["pp4-auto"]["replans"]) == 1 and int(rows["pp4-v-half"]["replans"]) == 0
+    # auto re-plans (its line changes); v-half re-plans at its memory level: its line changes
+    # only when the measured costs give another order
+    assert int(rows["pp4-auto"]["replans"]) == 1 and int(rows["pp4-v-half"]["replans"]) <= 1
     assert (tmp_path / "runs.png").stat().st_size > 0
 
 

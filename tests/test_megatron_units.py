@@ -59,8 +59,11 @@ def test_forward_backward_checks_chunks_and_microbatches_before_work():
         fb._schedule(4, 8, 1, 1, config)
     with pytest.raises(ScheduleError, match="microbatches"):
         fb._schedule(4, 0, 2, 2, config)
-    with pytest.raises(ValueError, match="replan_after re-plans the 'auto' schedule"):
-        VShapeForwardBackward("v-half", replan_after=3)
+    with pytest.raises(ValueError, match="replan_after re-plans auto and the fastest variant"):
+        VShapeForwardBackward("v-half", replan_after=3, variant="paper")
+    with pytest.raises(ValueError, match="unknown schedule variant 'best'; valid choices: fastest, paper"):
+        VShapeForwardBackward("v-half", variant="best")
+    assert VShapeForwardBackward("v-half", replan_after=3).replan_after == 3  # a memory level
     with pytest.raises(ScheduleError, match="memory_limit must be a number with a unit"):
         VShapeForwardBackward("auto", memory_limit="40 bananas")
 

@@ -114,9 +114,9 @@ def test_peak_memory_is_reached_within_3p_microbatches(name, p):
     """What the planner's memory probe (evaluate._PROBE) relies on: with more microbatches than
     3p no rank's peak grows, so min(m, 3p) microbatches decide whether a configuration fits."""
     chunks = [[ChunkBytes(1.3, 1.0), ChunkBytes(0.8, 0.5)]] * p
-    short = build_schedule(name, p, 3 * p)
+    short = build_schedule(name, p, 3 * p, variant="paper")
     for m in (4 * p, 5 * p + (0 if name == "interleaved-1f1b" else 1)):
-        assert peak_activation_bytes(build_schedule(name, p, m), chunks) == pytest.approx(
+        assert peak_activation_bytes(build_schedule(name, p, m, variant="paper"), chunks) == pytest.approx(
             peak_activation_bytes(short, chunks))
 
 

@@ -20,7 +20,7 @@ UNBALANCED = (1.0, 1.2, 0.8)
 def test_auto_never_loses_to_a_fixed_block_at_its_memory(p, costs, name):
     m = 4 * p
     c = Costs.build(p, *costs[:3], comm=costs[3])
-    fixed = simulate(build_schedule(name, p, m), c)
+    fixed = simulate(build_schedule(name, p, m, variant="paper"), c)
     found = search(p, m, c, fixed.peak_memory_max)
     assert found.result.peak_memory_max <= fixed.peak_memory_max
     assert found.result.bubble_rate <= fixed.bubble_rate + 1e-9

@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..schedule import (SCHEDULES, ScheduleError, build_schedule, parse_costs, simulate, validate)
+from ..schedule import (SCHEDULES, VARIANTS, ScheduleError, build_schedule, parse_costs,
+                        parse_memory_model, simulate, validate)
 from ..schedule.search.bounds import makespan_floor
 from ..schedule.model.limits import MemoryLimit, parse_bytes
 from ..schedule.search import frontier, search
@@ -29,6 +30,14 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
     parser.add_argument("--costs", default="1,1,1,0",
                         help="F,B,W[,COMM]: pass times of one rank's whole layer share, and one "
                              "pipeline hop (default 1,1,1,0)")
+    parser.add_argument("--memory-model", default="1,0,-1",
+                        help="F,B,W: activation memory each pass adds, in chunk-activations "
+                             "(default 1,0,-1: W frees all; measured H100 e.g. 1,-0.75,-0.25: "
+                             "B frees 3/4); schedules are built, checked and timed under it")
+    parser.add_argument("--variant", choices=VARIANTS, default="fastest",
+                        help="fastest: zb-1p, v-min, v-half, v-zb are the fastest orders found "
+                             "within their memory bound for --costs; paper: the paper's fixed "
+                             "orders (default fastest)")
     parser.add_argument("--memory-limit",
                         help="peak activation memory: a fraction of 1F1B's (0.5), or bytes with a "
                              "unit (40GiB) together with --activation-bytes; auto searches under "
@@ -85,14 +94,17 @@ def register(sub) -> None:
 def _report(name: str, args) -> tuple:
     ranks, microbatches = args.ranks, args.microbatches
     costs = parse_costs(args.costs, ranks)
+    memory = parse_memory_model(args.memory_model)
     limit = memory_limit(args)
-    schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit)
+    schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit,
+                              memory=memory, variant=args.variant)
     try:
-        validate(schedule, memory_limit=schedule.memory_bound if limit is None else limit)
+        validate(schedule, memory_limit=schedule.memory_bound if limit is None else limit,
+                 memory=memory)
         valid = True
     except ScheduleError:
         valid = False
-    result = simulate(schedule, costs)
+    result = simulate(schedule, costs, memory)
     record = {
         "schedule": name, "ranks": ranks, "microbatches": microbatches, "costs": costs.as_list(),
         "makespan": round(result.makespan, 6), "bubble_rate": round(result.bubble_rate, 6),
@@ -141,7 +153,8 @@ def _render(args) -> int:
 
 def _export(args) -> int:
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches,
-                              costs=parse_costs(args.costs, args.ranks), memory_limit=memory_limit(args))
+                              costs=parse_costs(args.costs, args.ranks), memory_limit=memory_limit(args),
+                              memory=parse_memory_model(args.memory_model), variant=args.variant)
     text = to_torch_csv(schedule)
     if args.output:
         Path(args.output).write_text(text)
@@ -170,7 +183,8 @@ def _compare(args) -> int:
 
 def _search(args) -> int:
     costs = parse_costs(args.costs, args.ranks)
-    found = search(args.ranks, args.microbatches, costs, memory_limit(args))
+    found = search(args.ranks, args.microbatches, costs, memory_limit(args),
+                   parse_memory_model(args.memory_model))
     _, _, record = _report("auto", args)
     record["search_seconds"] = round(found.seconds, 4)
     record["candidates"] = found.candidates
@@ -183,7 +197,7 @@ def _search(args) -> int:
 
 def _frontier(args) -> int:
     costs = parse_costs(args.costs, args.ranks)
-    points = frontier(args.ranks, args.microbatches, costs)
+    points = frontier(args.ranks, args.microbatches, costs, parse_memory_model(args.memory_model))
     rows = [{
         "peak_memory_max": round(f.result.peak_memory_max, 6),
         "peak_memory_vs_1f1b": round(f.result.peak_memory_vs_1f1b, 6),
@@ -210,7 +224,10 @@ def _plot_frontier(args, costs, rows) -> None:
 
     fixed = []
     for name in ("1f1b", "zb-1p", "v-min", "v-half", "v-zb"):
-        result = simulate(build_schedule(name, args.ranks, args.microbatches), costs)
+        memory = parse_memory_model(args.memory_model)
+        schedule = build_schedule(name, args.ranks, args.microbatches, costs, memory=memory,
+                                  variant=args.variant)
+        result = simulate(schedule, costs, memory)
         fixed.append((name, result.peak_memory_vs_1f1b, result.bubble_rate))
     if not str(args.output).endswith(".png"):
         raise ScheduleError(f"--output must end in .png, got {args.output!r}")

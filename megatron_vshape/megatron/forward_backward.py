@@ -24,7 +24,8 @@ from ..runtime.p2p import TensorSpec
 from ..runtime.profile import PassProfile
 from ..runtime.streams import StreamGroups
 from ..schedule.model.limits import MemoryLimit
-from ..schedule.registry import SCHEDULES, build_schedule
+from ..schedule.registry import SCHEDULES, VARIANTS, build_schedule
+from ..schedule.search.levels import LEVEL_NAMES
 from ..schedule.model.simulate import simulate
 from .compute import MegatronStages
 from .model import sum_tied_embedding_grads
@@ -35,6 +36,12 @@ __all__ = ["VShapeForwardBackward"]
 log = logging.getLogger(__name__)
 
 TWO_CHUNK = ("v-min", "v-half", "v-zb", "auto")
+
+
+def replans(schedule: str, variant: str = "fastest") -> bool:
+    """Whether a schedule is re-planned from measured costs: auto, and the memory levels
+    (schedule/search/levels.py) unless their paper order was asked for."""
+    return schedule == "auto" or (schedule in LEVEL_NAMES and variant == "fastest")
 
 
 @dataclass
@@ -48,7 +55,10 @@ class VShapeForwardBackward:
     """schedule.Costs for auto (None: uniform until re-planned from measurements)."""
     timeout: float = 600.0
     replan_after: int = 0
-    """auto: re-plan from the costs (and memory) measured in this many first iterations."""
+    """auto and the memory levels (zb-1p, v-min, v-half, v-zb): re-plan from the costs (and
+    memory) measured in this many first iterations."""
+    variant: str = "fastest"
+    """The memory levels: ``fastest`` (re-planned from measured costs) or ``paper`` (fixed)."""
     losses_on_last_rank: bool = False
     """Relay the loss dicts from rank 0 (where the V computes them) to the last pipeline rank
     (where Megatron-LM's training loop reads them)."""
@@ -74,9 +84,13 @@ class VShapeForwardBackward:
                              f"{', '.join(SCHEDULES)}")
         if isinstance(self.memory_limit, str):
             self.memory_limit = MemoryLimit.parse(self.memory_limit, "memory_limit")
-        if self.replan_after and self.schedule != "auto":
-            raise ValueError(f"replan_after re-plans the 'auto' schedule; {self.schedule!r} is a "
-                             "fixed order: use schedule='auto' or replan_after=0")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown schedule variant {self.variant!r}; valid choices: "
+                             f"{', '.join(VARIANTS)}")
+        if self.replan_after and not replans(self.schedule, self.variant):
+            raise ValueError(f"replan_after re-plans auto and the fastest variant of zb-1p, "
+                             f"v-min, v-half and v-zb; {self.schedule!r} ({self.variant}) is a "
+                             "fixed order: use replan_after=0")
         if self.replanner is None:
             self.replanner = Replanner(self.replan_after, self.memory_limit)
 
@@ -156,7 +170,7 @@ class VShapeForwardBackward:
         """The schedule for (p, m); ``auto`` under a byte limit starts as V-Min (the smallest
         memory) until the profiled iterations have measured the bytes of a unit."""
         if self.schedule != "auto":
-            return build_schedule(self.schedule, p, m)
+            return build_schedule(self.schedule, p, m, costs=self.costs, variant=self.variant)
         if self.memory_limit is not None and self.memory_limit.needs_activation_bytes and \
                 self.replanner.activation_bytes is None:
             return build_schedule("v-min", p, m)
@@ -164,14 +178,14 @@ class VShapeForwardBackward:
                               memory_limit=self.replanner.limit_units(p, m))
 
     def _replan(self, schedule, pg, spec) -> None:
-        """Re-plan ``auto`` from what the profiled iterations measured (same on every rank)."""
+        """Re-plan from what the profiled iterations measured (same on every rank)."""
         groups = self._stream_groups(schedule, pg)
         self.costs = self.replanner.measured(self.profile, schedule, pg.pp.rank(), pg.pp,
                                              groups, spec)
         self._schedules.clear()
         self._runners.clear()
         self._relearn_ddp = True
-        log.info("[vshape] re-planning auto from measured costs F,B,W,COMM=%s%s",
+        log.info("[vshape] re-planning %s from measured costs F,B,W,COMM=%s%s", self.schedule,
                  self.costs.as_list(), "" if self.replanner.activation_bytes is None else
                  f" and {self.replanner.activation_bytes:.4g} bytes per unit")
 

@@ -14,8 +14,8 @@ import sys
 from dataclasses import dataclass
 
 from ..schedule.model.limits import MemoryLimit
-from ..schedule.registry import SCHEDULES
-from .forward_backward import VShapeForwardBackward
+from ..schedule.registry import SCHEDULES, VARIANTS
+from .forward_backward import VShapeForwardBackward, replans
 
 __all__ = ["VShapeConfig", "install", "uninstall", "OURS"]
 
@@ -37,7 +37,11 @@ class VShapeConfig:
     costs: object = None
     """auto: schedule.Costs of one rank's layer share (None: F = B = W until re-planned)."""
     replan_after: int = 0
-    """auto: re-plan from the costs and memory measured in this many first iterations."""
+    """auto and the memory levels' fastest variant: re-plan from the costs and memory measured
+    in this many first iterations."""
+    variant: str = "fastest"
+    """zb-1p, v-min, v-half, v-zb: ``fastest`` (the fastest order within the name's memory
+    bound, re-planned from measured costs) or ``paper`` (the paper's fixed order)."""
     losses_on_last_rank: bool = False
     """Hand the loss dicts to the last pipeline rank, where Megatron-LM's loop logs them."""
     timeout: float = 600.0
@@ -54,8 +58,12 @@ class VShapeConfig:
                                MemoryLimit.parse(self.memory_limit, "memory_limit"))
         if self.replan_after < 0:
             raise ValueError(f"VShapeConfig.replan_after must be >= 0, got {self.replan_after}")
-        if self.replan_after and self.schedule != "auto":
-            raise ValueError(f"replan_after re-plans the 'auto' schedule, not {self.schedule!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"VShapeConfig.variant {self.variant!r} is unknown; valid choices: "
+                             f"{', '.join(VARIANTS)}")
+        if self.replan_after and not replans(self.schedule, self.variant):
+            raise ValueError(f"replan_after re-plans auto and the fastest variant of zb-1p, v-min, "
+                             f"v-half and v-zb, not {self.schedule!r} ({self.variant})")
 
 
 class _Wrapper:
@@ -66,7 +74,7 @@ class _Wrapper:
         self.config = config
         self.ours = (VShapeForwardBackward(
             config.schedule, config.memory_limit, config.costs, config.timeout,
-            replan_after=config.replan_after, losses_on_last_rank=config.losses_on_last_rank)
+            replan_after=config.replan_after, variant=config.variant, losses_on_last_rank=config.losses_on_last_rank)
             if config.schedule in OURS else None)
 
     def __call__(self, pp_size=None, vp_size=None, **kwargs):

@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from ..schedule.model.limits import MemoryLimit
-from ..schedule.registry import SCHEDULES
+from ..schedule.registry import SCHEDULES, VARIANTS
+from .forward_backward import replans
 from .install import VShapeConfig
 
 __all__ = ["V_SCHEDULES", "add_arguments", "check_arguments", "vshape_config", "VChunkProvider",
@@ -39,8 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="auto: peak activation memory per GPU, a fraction of 1F1B's (0.5) "
                             "or bytes (40GiB)")
     group.add_argument("--pipeline-replan-after", type=int, default=3,
-                       help="auto: profile this many iterations, then re-plan from the measured "
-                            "costs and memory (0: never; default 3)")
+                       help="auto, zb-1p, v-min, v-half, v-zb: profile this many iterations, then "
+                            "re-plan from the measured costs and memory, keeping the schedule's "
+                            "memory level (0: never; default 3)")
+    group.add_argument("--pipeline-schedule-variant", default="fastest", choices=VARIANTS,
+                       help="zb-1p, v-min, v-half, v-zb: fastest (the fastest order within the "
+                            "schedule's memory bound for the measured costs) or paper (the "
+                            "paper's fixed order, never re-planned); default fastest")
     group.add_argument("--pipeline-p2p-timeout", type=float, default=600.0,
                        help="seconds a pipeline send/receive may wait before failing with rank, "
                             "step and action (default 600)")
@@ -136,9 +142,12 @@ def check_arguments(args) -> None:
 def vshape_config(args) -> VShapeConfig:
     """The plugin's configuration from checked arguments."""
     auto = args.pipeline_schedule == "auto"
+    variant = args.pipeline_schedule_variant
     return VShapeConfig(schedule=args.pipeline_schedule,
                         memory_limit=args.pipeline_memory_limit if auto else None,
-                        replan_after=args.pipeline_replan_after if auto else 0,
+                        replan_after=args.pipeline_replan_after
+                        if replans(args.pipeline_schedule, variant) else 0,
+                        variant=variant,
                         losses_on_last_rank=True, timeout=args.pipeline_p2p_timeout)
 
 

@@ -121,10 +121,13 @@ class Evaluator:
                            point.pp, point.micro_batch_size)
 
     def schedule(self, name: str, p: int, m: int):
+        """The paper's order for a name (``variant="paper"``): its memory probe needs orders
+        whose peak settles within 3p microbatches, and training's fastest order of the same
+        level is at most as slow (schedule/search/levels.py), so ranking by it is conservative."""
         key = (name, p, m)
         if key not in self._schedules:
             try:
-                self._schedules[key] = build_schedule(name, p, m)
+                self._schedules[key] = build_schedule(name, p, m, variant="paper")
             except ScheduleError as err:
                 self._schedules[key] = err
         return self._schedules[key]

@@ -5,7 +5,8 @@ laptop. Grouped by job::
               costs and memory model, the dependency rule, simulator, validator, limits, lower
     build/    orders from building blocks: blocks, repeat/squeeze (compose), reorders,
               V family, continuous offsets, timed replay, the named (paper) orders
-    search/   choosing the best order: the adaptive search under a memory limit, bounds
+    search/   choosing the best order: the adaptive search under a memory limit, the local
+              search over orders, the named memory levels, bounds
     io/       text/SVG/PNG renderers, torch.distributed.pipelining CSV
     registry  schedule names -> schedules (the one place names are looked up)
 
@@ -15,19 +16,19 @@ error messages), build imports model, search imports build and model, registry a
 from .build.blocks import BlockFamily, BuildingBlock
 from .build.compose import compose, repeat
 from .model.actions import Action, PassKind, ScheduleError, parse_action
-from .model.costs import Costs, MemoryModel, parse_costs
+from .model.costs import Costs, MemoryModel, parse_costs, parse_memory_model
 from .model.limits import memory_limit_units
 from .model.lower import lower
 from .model.placement import Layout, Placement
 from .model.schedule import Schedule
 from .model.simulate import SimResult, simulate
 from .model.validate import ValidationError, validate
-from .registry import SCHEDULES, build_schedule
+from .registry import SCHEDULES, VARIANTS, build_schedule
 from .search.adaptive import InfeasibleMemoryError, SearchResult, frontier, search
 
 __all__ = [
     "Action", "PassKind", "ScheduleError", "parse_action", "BuildingBlock", "BlockFamily",
-    "compose", "repeat", "Costs", "MemoryModel", "parse_costs", "lower", "Layout", "Placement",
-    "SCHEDULES", "build_schedule", "Schedule", "SimResult", "simulate", "ValidationError",
+    "compose", "repeat", "Costs", "MemoryModel", "parse_costs", "parse_memory_model", "lower", "Layout", "Placement",
+    "SCHEDULES", "VARIANTS", "build_schedule", "Schedule", "SimResult", "simulate", "ValidationError",
     "validate", "InfeasibleMemoryError", "SearchResult", "frontier", "memory_limit_units", "search",
 ]

@@ -1,22 +1,30 @@
 """Schedule names -> schedules. The one place the CLI and the runtime look names up."""
 from __future__ import annotations
 
-from .build.named import interleaved_1f1b, paper_schedule
+from .build.named import paper_schedule
 from .model.actions import ScheduleError
-from .model.costs import Costs
+from .model.costs import Costs, MemoryModel
 from .model.schedule import Schedule
 from .search.adaptive import search
+from .search.levels import LEVEL_NAMES, fastest_at_level
 
-__all__ = ["SCHEDULES", "build_schedule", "interleaved_1f1b"]
+__all__ = ["SCHEDULES", "VARIANTS", "build_schedule"]
 
 SCHEDULES = ("1f1b", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb", "auto")
 """Every schedule name; ``auto`` is the adaptive search (search/adaptive.py) under a memory
 limit."""
 
+VARIANTS = ("fastest", "paper")
+"""``fastest``: zb-1p, v-min, v-half and v-zb are memory levels, the fastest order found for
+the costs within the name's bound (search/levels.py); ``paper``: the paper's fixed order (what
+the paper's tables and figures show), for reproduction."""
 
-def _check(name: str, ranks, microbatches) -> None:
+
+def _check(name: str, ranks, microbatches, variant: str) -> None:
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; valid choices: {', '.join(SCHEDULES)}")
+    if variant not in VARIANTS:
+        raise ScheduleError(f"unknown variant {variant!r}; valid choices: {', '.join(VARIANTS)}")
     if not isinstance(ranks, int) or ranks < 2:
         raise ScheduleError(
             f"ranks must be an integer >= 2, got {ranks!r}: with one rank there is no pipeline"
@@ -26,14 +34,19 @@ def _check(name: str, ranks, microbatches) -> None:
 
 
 def build_schedule(name: str, ranks: int, microbatches: int, costs: Costs | None = None,
-                   memory_limit: float | None = None) -> Schedule:
+                   memory_limit: float | None = None, memory: MemoryModel = MemoryModel(),
+                   variant: str = "fastest") -> Schedule:
     """Build the named schedule for ``ranks`` pipeline ranks and ``microbatches`` microbatches.
 
-    ``costs`` and ``memory_limit`` (units; default 1F1B's peak) matter only to ``auto``, which
-    searches for the fastest V schedule under the limit with those costs; the fixed schedules
-    are cost-independent orders (check them against a limit with ``validate``).
+    ``costs`` (default F = B = W, no comm) and ``memory`` (what F, B and W add, in
+    chunk-activations) shape ``auto``, which searches for the fastest V schedule under
+    ``memory_limit`` units (default 1F1B's peak), and the memory levels zb-1p, v-min, v-half
+    and v-zb (``variant="fastest"``; ``"paper"`` gives their fixed orders). 1f1b and
+    interleaved-1f1b are fixed orders.
     """
-    _check(name, ranks, microbatches)
+    _check(name, ranks, microbatches, variant)
     if name == "auto":
-        return search(ranks, microbatches, costs, memory_limit).schedule
+        return search(ranks, microbatches, costs, memory_limit, memory).schedule
+    if name in LEVEL_NAMES and variant == "fastest":
+        return fastest_at_level(name, ranks, microbatches, costs, memory)
     return paper_schedule(name, ranks, microbatches)

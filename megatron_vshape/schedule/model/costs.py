@@ -6,7 +6,7 @@ from typing import Sequence, Union
 
 from .actions import ScheduleError
 
-__all__ = ["Costs", "MemoryModel", "parse_costs"]
+__all__ = ["Costs", "MemoryModel", "parse_costs", "parse_memory_model"]
 
 Number = Union[int, float]
 
@@ -91,3 +91,15 @@ class MemoryModel:
             )
         if self.backward > 0 or self.weight > 0:
             raise ScheduleError("memory: backward and weight deltas must be <= 0")
+
+
+def parse_memory_model(text: str) -> MemoryModel:
+    """Parse ``"F,B,W"`` (the CLI's ``--memory-model``): chunk-activations each pass adds."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 3:
+        raise ScheduleError(f"--memory-model must be F,B,W (e.g. 1,0,-1 or 1,-0.75,-0.25), got {text!r}")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ScheduleError(f"--memory-model must be numbers, got {text!r}") from None
+    return MemoryModel(*values)

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from .actions import Action, PassKind, ScheduleError
 from .costs import Costs, MemoryModel
 from .deps import dependencies, hop_table
+from .placement import Placement
 from .schedule import Schedule
 
-__all__ = ["SimResult", "simulate", "peak_memory", "action_durations", "DeadlockError"]
+__all__ = ["SimResult", "simulate", "peak_memory", "action_durations", "pass_durations",
+           "time_orders", "DeadlockError"]
 
 
 class DeadlockError(ScheduleError):
@@ -49,14 +51,13 @@ class SimResult:
     peak_memory_vs_1f1b: float
 
 
-def action_durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, float]]:
-    """Per rank, how long each compute kind takes: the simulator's timing, also what the
-    runtime's emulated-cost mode sleeps for, so measured and simulated times compare."""
-    if len(costs.forward) != schedule.ranks:
+def pass_durations(placement: Placement, costs: Costs) -> list[dict[PassKind, float]]:
+    """Per rank, how long each compute kind takes: a chunk's pass is its share of the rank's."""
+    if len(costs.forward) != placement.ranks:
         raise ScheduleError(
-            f"costs are given for {len(costs.forward)} ranks, schedule has {schedule.ranks}"
+            f"costs are given for {len(costs.forward)} ranks, schedule has {placement.ranks}"
         )
-    share = schedule.placement.chunks
+    share = placement.chunks
     return [
         {
             PassKind.F: costs.forward[r] / share,
@@ -64,8 +65,14 @@ def action_durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, fl
             PassKind.W: costs.weight[r] / share,
             PassKind.BW: (costs.backward[r] + costs.weight[r]) / share,
         }
-        for r in range(schedule.ranks)
+        for r in range(placement.ranks)
     ]
+
+
+def action_durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, float]]:
+    """Per rank, how long each compute kind takes: the simulator's timing, also what the
+    runtime's emulated-cost mode sleeps for, so measured and simulated times compare."""
+    return pass_durations(schedule.placement, costs)
 
 
 def peak_memory(schedule: Schedule, memory: MemoryModel = MemoryModel()) -> tuple[float, ...]:
@@ -90,19 +97,26 @@ def peak_memory(schedule: Schedule, memory: MemoryModel = MemoryModel()) -> tupl
 
 
 def _time(schedule: Schedule, costs: Costs):
-    """Start/end of every compute action, by dataflow: each rank advances until it blocks."""
-    p = schedule.ranks
-    acts = [tuple(schedule.compute_actions(r)) for r in range(p)]
+    """Start/end of every compute action (:func:`time_orders`)."""
+    acts = [tuple(schedule.compute_actions(r)) for r in range(schedule.ranks)]
     dur = action_durations(schedule, costs)
+    microbatches = 1 + max((a.microbatch for mine in acts for a in mine), default=0)
+    starts, ends = time_orders(schedule.placement, microbatches, acts, dur, costs.comm)
+    return acts, starts, ends, dur
+
+
+def time_orders(placement: Placement, microbatches: int, acts, dur, comm: float):
+    """Start/end of every compute action of per-rank orders ``acts`` (durations ``dur`` per
+    rank and kind), by dataflow: each rank advances until it blocks. Raises DeadlockError when
+    the orders wait on each other. Shared by the simulator and the local search."""
+    p = placement.ranks
     starts = [[0.0] * len(a) for a in acts]
     ends = [[0.0] * len(a) for a in acts]
     done: dict[Action, float] = {}
     waiting: dict[Action, list[int]] = {}
     ptr, clock = [0] * p, [0.0] * p
     pending = list(range(p))
-    microbatches = 1 + max((a.microbatch for mine in acts for a in mine), default=0)
-    table = hop_table(schedule.placement, microbatches)
-    comm = costs.comm
+    table = hop_table(placement, microbatches)
     while pending:  # the search's hot loop: one table entry per pass, locals only
         r = pending.pop()
         i, t, mine, dur_r, start_r, end_r = ptr[r], clock[r], acts[r], dur[r], starts[r], ends[r]
@@ -130,13 +144,13 @@ def _time(schedule: Schedule, costs: Costs):
     for r in range(p):
         if ptr[r] < len(acts[r]):
             action = acts[r][ptr[r]]
-            deps = list(dependencies(action, schedule.num_stages))
+            deps = list(dependencies(action, placement.num_stages))
             raise DeadlockError(
                 f"rank {r} step {ptr[r]}: {action} (stage {action.stage}, microbatch "
                 f"{action.microbatch}) waits for {deps} forever",
                 r, ptr[r], action,
             )
-    return acts, starts, ends, dur
+    return starts, ends
 
 
 def simulate(

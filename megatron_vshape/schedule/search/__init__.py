@@ -1,5 +1,6 @@
-"""Choosing the best order: the adaptive search under a memory limit (adaptive.py) and lower
-bounds on any schedule's makespan (bounds.py)."""
+"""Choosing the best order: the adaptive search under a memory limit (adaptive.py), the local
+search over per-rank orders (local.py), the named schedules as memory levels (levels.py), and
+lower bounds on any schedule's makespan (bounds.py)."""
 from .adaptive import InfeasibleMemoryError, SearchResult, frontier, memory_limit_units, search
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "frontier", "memory_limit_units", "search"]

@@ -44,6 +44,7 @@ from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
+from .local import improve
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
 
@@ -56,6 +57,9 @@ _EXTRA_PEAKS_LARGE = 1
 _REPLAY_WINDOWS = (4,)
 _REPLAY_SLACK = (0, 1)
 _PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
+_POLISHED = 3
+_POLISH_BUDGET = 100_000
+"""Passes the local search may time per start (about 0.2 s; a bound, so results repeat)."""
 _EPS = 1e-9
 F, B = PassKind.F, PassKind.B
 
@@ -98,8 +102,44 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
     return _search_cached(ranks, microbatches, costs, limit, memory)
 
 
+def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
+    """The model whose B frees nothing (the default's shape, same forward), when ``memory``'s
+    B frees something; else None. A rank's level after any prefix of its order is F count x f
+    + B count x b + W count x w with w = -(f + b), and a prefix holds at least as many B as W,
+    so a more negative b only lowers it: every order within a limit under this model is within
+    it under ``memory``, and its fastest order is a candidate there too (a model that frees
+    more at B is then never slower than the default one)."""
+    if memory.backward >= 0:
+        return None
+    return MemoryModel(memory.forward, 0.0, -memory.forward)
+
+
 @functools.lru_cache(maxsize=256)
 def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel) -> SearchResult:
+    """The search under ``memory``; under a model whose B frees memory, also the fastest order
+    of the model that frees nothing at B (:func:`freeing_nothing_at_b`), re-timed."""
+    base = freeing_nothing_at_b(memory)
+    try:
+        own = _search_one(p, m, costs, limit, memory)
+    except InfeasibleMemoryError:
+        if base is None:
+            raise
+        own = None
+    if base is None:
+        return own
+    try:
+        other = _search_cached(p, m, costs, limit, base)
+    except InfeasibleMemoryError:
+        if own is None:
+            raise
+        return own
+    result = simulate(other.schedule, costs, memory)
+    if own is None or result.makespan < own.result.makespan - _EPS:
+        return dataclasses.replace(other, result=result)
+    return own
+
+
+def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel) -> SearchResult:
     if not isinstance(p, int) or p < 2:
         raise ScheduleError(f"ranks must be an integer >= 2, got {p!r}")
     if not isinstance(m, int) or m < 1:
@@ -144,6 +184,10 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
                 consider(f"{base.description}, replayed in time (window {window})",
                          functools.partial(replay_in_time, base.orders, placement, costs,
                                            limit * placement.chunks + slack, memory, window))
+    for base in _polish_bases(pool, _POLISHED):
+        consider(f"{base.description}, polished",
+                 functools.partial(_polish, placement, m, base.orders, costs,
+                                   limit * placement.chunks, memory))
     if not pool:
         smallest.extend((_probe_peak(block, m, memory), f"V family block, {offsets.describe()}")
                         for offsets, block in skipped)
@@ -172,6 +216,21 @@ def _replay_bases(pool: list[_Candidate], count: int, extra: int) -> list[tuple[
             peaks.add(candidate.peak)
             bases.append((candidate, _REPLAY_SLACK[-1:]))
     return bases
+
+
+def _polish_bases(pool: list[_Candidate], count: int) -> list[_Candidate]:
+    """The ``count`` fastest candidates with distinct orders: the local search's starts."""
+    bases, seen = [], set()
+    for candidate in sorted(pool, key=_key):
+        if candidate.orders not in seen and len(bases) < count:
+            seen.add(candidate.orders)
+            bases.append(candidate)
+    return bases
+
+
+def _polish(placement: Placement, m: int, orders, costs: Costs, cap: float,
+            memory: MemoryModel) -> tuple:
+    return improve(placement, m, orders, costs, cap, memory, _POLISH_BUDGET).orders
 
 
 def _key(candidate: _Candidate) -> tuple:

@@ -1,0 +1,103 @@
+"""Named schedules as memory levels: the fastest order found at each name's own memory bound.
+
+The paper names a schedule by its building block; a user picks ``v-half`` for half of 1F1B's
+activation memory, not for one particular order. So each name stands for a limit::
+
+    v-min    (p + 4) // 3 units      V layout     the adaptive search under that limit
+    v-half   (p + 2) // 2 units      V layout     (its candidates include the paper's order,
+    v-zb     p units                 V layout      so a name is never slower than the paper's)
+    zb-1p    p units                 one chunk    the paper's order, cost-aware greedy orders
+                                                  (build/greedy.py), each polished by the local
+                                                  search; the fastest kept
+
+in units of one microbatch's activations of a rank's layer share, under the default memory
+model; under another model (B freeing part of a chunk) the same number of units is the limit,
+so a model that frees more can only make the name faster. With F = B = W and no comm the paper's
+orders are already optimal on the grid the tests cover, and the memory table holds exactly.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..build.greedy import Policy, greedy_schedule
+from ..build.named import FAMILIES, paper_schedule
+from ..model.actions import ScheduleError
+from ..model.costs import Costs, MemoryModel
+from ..model.schedule import Schedule
+from ..model.simulate import peak_memory, simulate
+from .adaptive import freeing_nothing_at_b, search
+from .local import improve
+
+__all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level"]
+
+LEVEL_NAMES = ("zb-1p", "v-min", "v-half", "v-zb")
+"""The names that are memory levels (1f1b and interleaved-1f1b stay fixed orders)."""
+
+_ZB_POLICIES = (Policy(), Policy(ranked_warm_up=True, alternate=True))
+"""The greedy's policies for one chunk: between them the fastest of all 64 policies of
+build/greedy.py on every point of the reference comparison grid (p 4-16, m 8-64, two cost
+ratios, three hop times)."""
+_ZB_POLISH_BUDGET = 100_000
+_EPS = 1e-9
+
+
+def memory_level(name: str, ranks: int) -> float:
+    """The name's memory bound in units (module doc)."""
+    if name not in LEVEL_NAMES:
+        raise ScheduleError(f"{name!r} is not a memory level; those are {', '.join(LEVEL_NAMES)}")
+    return float(FAMILIES[name].memory_bound(ranks))
+
+
+def fastest_at_level(name: str, ranks: int, microbatches: int, costs: Costs | None = None,
+                     memory: MemoryModel = MemoryModel()) -> Schedule:
+    """The fastest order found for ``name`` at its memory level (module doc)."""
+    costs = costs or Costs.build(ranks)
+    return _fastest_cached(name, ranks, microbatches, costs, memory)
+
+
+@functools.lru_cache(maxsize=128)
+def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel) -> Schedule:
+    level = memory_level(name, p)
+    paper = paper_schedule(name, p, m)
+    if name == "zb-1p":
+        orders, how = _fastest_zb(paper, costs, memory, level)
+    else:
+        found = search(p, m, costs, level, memory)
+        orders = found.schedule.rank_actions
+        how = found.schedule.description.removeprefix("auto: ").rsplit(" (limit", 1)[0]
+    chosen = paper.with_actions(orders, memory_bound=level,
+                                description=f"{name}: {how} (level {level:g} units)")
+    candidates = [chosen, paper]  # the search's candidates include the paper's: a guard
+    base = freeing_nothing_at_b(memory)
+    if base is not None:  # what fits when B frees nothing fits here too
+        candidates.append(_fastest_cached(name, p, m, costs, base))
+    best, best_time = chosen, simulate(chosen, costs, memory).makespan
+    for other in candidates[1:]:
+        makespan = simulate(other, costs, memory).makespan
+        if makespan < best_time - _EPS:
+            best, best_time = other, makespan
+    return best
+
+
+def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):
+    """(orders, description) of the fastest one-chunk order within ``level`` units."""
+    placement, m = paper.placement, paper.microbatches
+    cap = level * placement.chunks
+    starts = [("paper order", paper.rank_actions)]
+    for policy in _ZB_POLICIES:
+        try:
+            starts.append((f"greedy ({policy.describe()})",
+                           greedy_schedule(placement, m, costs, cap, memory, policy).orders))
+        except ScheduleError:
+            continue
+    best = None
+    for how, orders in starts:
+        if max(peak_memory(paper.with_actions(orders), memory)) > level + _EPS:
+            continue
+        polished = improve(placement, m, orders, costs, cap, memory, _ZB_POLISH_BUDGET)
+        for label, candidate in ((how, orders), (f"{how}, polished", polished.orders)):
+            makespan = simulate(paper.with_actions(candidate), costs, memory).makespan
+            if best is None or makespan < best[0] - _EPS:
+                best = (makespan, candidate, label)
+    return best[1], best[2]
+

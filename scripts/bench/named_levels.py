@@ -1,0 +1,65 @@
+"""Benchmark: the named schedules (memory levels) against 1F1B, one JSON line per case.
+
+    python scripts/bench/named_levels.py [--ranks 4 8 16] [--per-rank 4 8]
+        [--costs 2,2.78,0.7,0.05] [--memory-model 1,-0.75,-0.25] [--repeats 3]
+
+Defaults are the F : B : W ratio measured on an H100 (README, issue 5) and what B leaves for W
+there (8-25% of a chunk: ``1,-0.75,-0.25``); m = per-rank x p. Per case and name: the makespan
+of the fastest order at the name's memory level and of the paper's fixed order, both over
+1F1B's, their peaks, and the build time of the fastest (median of ``--repeats`` uncached runs).
+Targets (issue 15): v-half <= 1.0 x 1F1B (goal 0.95), v-min <= 1.10 x, v-zb <= 0.92 x; a
+named schedule under 0.5 s for p <= 16, m <= 64.
+"""
+import argparse
+import json
+import statistics
+import time
+
+from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model, simulate
+from megatron_vshape.schedule.search.adaptive import _search_cached
+from megatron_vshape.schedule.search.levels import LEVEL_NAMES, _fastest_cached
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--per-rank", type=int, nargs="+", default=[4, 8],
+                        help="microbatches per rank: m = this x p")
+    parser.add_argument("--costs", default="2,2.78,0.7,0.05")
+    parser.add_argument("--memory-model", default="1,-0.75,-0.25")
+    parser.add_argument("--names", nargs="+", default=list(LEVEL_NAMES), choices=LEVEL_NAMES)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    memory = parse_memory_model(args.memory_model)
+    for p in args.ranks:
+        costs = parse_costs(args.costs, p)
+        for per in args.per_rank:
+            m = per * p
+            one = simulate(build_schedule("1f1b", p, m), costs, memory).makespan
+            for name in args.names:
+                times = []
+                for _ in range(args.repeats):
+                    _search_cached.cache_clear()
+                    _fastest_cached.cache_clear()
+                    started = time.perf_counter()
+                    fastest = build_schedule(name, p, m, costs, memory=memory)
+                    times.append(time.perf_counter() - started)
+                paper = build_schedule(name, p, m, variant="paper")
+                ours, fixed = simulate(fastest, costs, memory), simulate(paper, costs, memory)
+                print(json.dumps({
+                    "schedule": name, "ranks": p, "microbatches": m, "costs": args.costs,
+                    "memory_model": args.memory_model,
+                    "vs_1f1b": round(ours.makespan / one, 4),
+                    "paper_vs_1f1b": round(fixed.makespan / one, 4),
+                    "makespan": round(ours.makespan, 4), "makespan_1f1b": round(one, 4),
+                    "peak_memory_max": round(ours.peak_memory_max, 4),
+                    "paper_peak_memory_max": round(fixed.peak_memory_max, 4),
+                    "build_s_median": round(statistics.median(times), 4),
+                    "description": fastest.description,
+                }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Named schedules as memory levels (schedule/search/levels.py), the local search over orders
+(search/local.py) and the cost-aware greedy (build/greedy.py): every order they return is valid
+and within its level, never slower than the paper's order, and a memory model that frees more
+at B never makes them slower."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Schedule,
+                                      ScheduleError, build_schedule, parse_memory_model, search,
+                                      simulate, validate)
+from megatron_vshape.schedule.build.greedy import Policy, greedy_schedule
+from megatron_vshape.schedule.search.levels import LEVEL_NAMES, memory_level
+from megatron_vshape.schedule.search.local import improve
+
+FREES_AT_B = MemoryModel(1, -0.75, -0.25)
+costs_strategy = st.tuples(
+    st.sampled_from([1.0, 2.0]), st.sampled_from([1.0, 1.2, 1.39 * 2, 2.4]),
+    st.sampled_from([0.35, 0.8, 1.6, 2.0]), st.sampled_from([0.0, 0.05, 0.5]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(LEVEL_NAMES), p=st.integers(2, 6), m=st.integers(1, 14),
+       costs=costs_strategy, frees=st.booleans())
+def test_a_level_is_valid_within_its_bound_and_never_slower_than_the_paper(name, p, m, costs, frees):
+    memory = FREES_AT_B if frees else MemoryModel()
+    c = Costs.build(p, *costs)
+    fastest = build_schedule(name, p, m, c, memory=memory)
+    paper = build_schedule(name, p, m, variant="paper")
+    validate(fastest, memory_limit=memory_level(name, p), memory=memory)
+    assert simulate(fastest, c, memory).makespan <= simulate(paper, c, memory).makespan + 1e-9
+
+
+@settings(max_examples=12, deadline=None)
+@given(name=st.sampled_from(LEVEL_NAMES), p=st.integers(2, 6), m=st.integers(2, 14),
+       costs=costs_strategy, backward=st.sampled_from([-0.25, -0.5, -0.75, -1.0]))
+def test_a_model_that_frees_more_at_b_is_never_slower(name, p, m, costs, backward):
+    c = Costs.build(p, *costs)
+    freeing = MemoryModel(1, backward, -1 - backward)
+    default = simulate(build_schedule(name, p, m, c), c).makespan
+    assert simulate(build_schedule(name, p, m, c, memory=freeing), c, freeing).makespan \
+        <= default + 1e-9
+
+
+@pytest.mark.parametrize("p,m,limit", [(4, 16, 3.0), (4, 8, 2.5), (8, 16, 5.0)])
+def test_auto_under_a_model_that_frees_at_b_is_never_slower(p, m, limit):
+    c = Costs.build(p, 1, 1.2, 0.8, 0.05)
+    default = search(p, m, c, limit).result.makespan
+    assert search(p, m, c, limit, FREES_AT_B).result.makespan <= default + 1e-9
+
+
+def test_default_costs_keep_the_papers_memory_table():
+    for p in (4, 6, 8):
+        for name, fraction in (("v-min", (p + 4) // 3 / p), ("v-half", (p + 2) // 2 / p),
+                               ("v-zb", 1.0), ("zb-1p", 1.0)):
+            result = simulate(build_schedule(name, p, 3 * p))
+            assert result.peak_memory_vs_1f1b <= fraction + 1e-9, (name, p)
+
+
+@pytest.mark.parametrize("name,p,m,costs,at_most", [
+    # the reference generator's makespans at these points (issue 15's table), ours below them
+    ("zb-1p", 8, 8, (2, 2, 2, 0), 0.226),
+    ("zb-1p", 16, 16, (2, 2, 2, 0.1), 0.256),
+    ("v-half", 4, 64, (2, 2, 2, 0.5), 0.040),
+    ("v-half", 4, 16, (2, 2, 2, 0.5), 0.143),
+])
+def test_issue_examples_reach_the_reference_generator(name, p, m, costs, at_most):
+    c = Costs.build(p, *costs)
+    assert simulate(build_schedule(name, p, m, c), c).bubble_rate <= at_most + 0.005
+
+
+def test_the_paper_variant_is_the_fixed_order_and_bad_variants_are_refused():
+    c = Costs.build(4, 2, 2.78, 0.7, 0.05)
+    paper = build_schedule("v-half", 4, 16, c, variant="paper")
+    assert paper.rank_actions == build_schedule("v-half", 4, 16, variant="paper").rank_actions
+    assert paper.description.startswith("v-half block")
+    assert "level 3 units" in build_schedule("v-half", 4, 16, c).description
+    with pytest.raises(ScheduleError, match="unknown variant 'best'.*fastest, paper"):
+        build_schedule("v-half", 4, 16, variant="best")
+
+
+def test_memory_model_parsing_names_the_flag():
+    assert parse_memory_model("1,-0.75,-0.25") == FREES_AT_B
+    with pytest.raises(ScheduleError, match="--memory-model must be F,B,W"):
+        parse_memory_model("1,0")
+    with pytest.raises(ScheduleError, match="sum to 0"):
+        parse_memory_model("1,0,-0.5")
+
+
+def test_local_search_never_worsens_and_keeps_the_limit():
+    p, m = 4, 8
+    c = Costs.build(p, 2, 2.4, 1.6, 0.1)
+    start = build_schedule("v-half", p, m, variant="paper")
+    placement = Placement(p, Layout.V)
+    better = improve(placement, m, start.rank_actions, c, cap=6)
+    polished = start.with_actions(better.orders)
+    validate(polished, memory_limit=3)
+    assert better.makespan == pytest.approx(simulate(polished, c).makespan)
+    assert better.makespan < simulate(start, c).makespan  # this start has gaps to fill
+    with pytest.raises(ScheduleError, match="exceed 4 chunk-activations"):
+        improve(placement, m, start.rank_actions, c, cap=4)
+
+
+def test_greedy_one_chunk_orders_are_valid_and_refuse_an_impossible_limit():
+    p, m = 4, 12
+    placement = Placement(p, Layout.SINGLE)
+    c = Costs.build(p, 1, 1.39, 0.35, 0.05)
+    for policy in (Policy(), Policy(ranked_warm_up=True, alternate=True)):
+        found = greedy_schedule(placement, m, c, p, FREES_AT_B, policy)
+        schedule = Schedule("g", placement, m, found.orders)
+        validate(schedule, memory_limit=p, memory=FREES_AT_B)
+        assert simulate(schedule, c, FREES_AT_B).makespan <= found.makespan + 1e-9
+    with pytest.raises(ScheduleError, match="cannot hold one microbatch"):
+        greedy_schedule(placement, m, c, 0.5)
