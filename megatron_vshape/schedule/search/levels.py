@@ -12,8 +12,9 @@ activation memory, not for one particular order. So each name stands for a limit
 
 in units of one microbatch's activations of a rank's layer share, under the default memory
 model; under another model (B freeing part of a chunk) the same number of units is the limit,
-so a model that frees more can only make the name faster. With F = B = W and no comm the paper's
-orders are already optimal on the grid the tests cover, and the memory table holds exactly.
+so a model that frees more can only make the name faster. With F = B = W and no comm the
+paper's memory table holds exactly (every peak within the name's bound) and the bubbles are at
+most the paper's (p = 8, m = 32: v-min 0.107 against the paper order's 0.123).
 """
 from __future__ import annotations
 
