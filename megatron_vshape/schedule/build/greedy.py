@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.placement import Placement
+from ..model.simulate import pass_durations
 
 __all__ = ["Policy", "POLICIES", "greedy_schedule", "GreedyResult"]
 
@@ -113,16 +114,14 @@ class _Greedy:
                  memory: MemoryModel, policy: Policy):
         self.placement, self.m, self.cap, self.policy = placement, m, cap, policy
         self.comm = costs.comm
-        self.delta = {F: memory.forward, B: memory.backward, W: memory.weight}
+        self.delta = memory.deltas
         stages = placement.num_stages
         self.stages = stages
         self.rank_of = [placement.rank_of(s) for s in range(stages)]
         share = placement.chunks
-        self.ranks = [
-            _Rank(r, tuple(placement.stage_of(r, c) for c in range(share)),
-                  {F: costs.forward[r] / share, B: costs.backward[r] / share,
-                   W: costs.weight[r] / share})
-            for r in range(placement.ranks)]
+        durations = pass_durations(placement, costs)
+        self.ranks = [_Rank(r, tuple(placement.stage_of(r, c) for c in range(share)), durations[r])
+                      for r in range(placement.ranks)]
         self.f_end = [[_INF] * m for _ in range(stages)]
         self.b_end = [[_INF] * m for _ in range(stages)]
         self.total = 3 * share * m

@@ -26,10 +26,11 @@ from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.deps import hop_table
 from ..model.placement import Placement
+from ..model.simulate import pass_durations
 
 __all__ = ["Replay", "replay_in_time"]
 
-F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
+F, B, W = PassKind.F, PassKind.B, PassKind.W
 _TOLERANCE = 1e-12
 
 
@@ -55,12 +56,6 @@ class _Rank:
         self.out: list[Action] = []
 
 
-def _durations(costs: Costs, placement: Placement, rank: int) -> dict:
-    share = placement.chunks
-    f, b, w = costs.forward[rank] / share, costs.backward[rank] / share, costs.weight[rank] / share
-    return {F: f, B: b, W: w, BW: b + w}
-
-
 def replay_in_time(
     orders,
     placement: Placement,
@@ -75,8 +70,9 @@ def replay_in_time(
     ``window`` bounds how far past the head of a rank's order a ready pass may be taken.
     Raises ScheduleError when the limit leaves the ranks waiting on each other.
     """
-    delta = {F: memory.forward, B: memory.backward, W: memory.weight, BW: memory.backward + memory.weight}
-    ranks = [_Rank(o, placement, r, _durations(costs, placement, r)) for r, o in enumerate(orders)]
+    delta = memory.deltas
+    durations = pass_durations(placement, costs)
+    ranks = [_Rank(o, placement, r, durations[r]) for r, o in enumerate(orders)]
     microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
     kinds = frozenset(a.kind for order in orders for a in order)
     table = hop_table(placement, microbatches)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from .actions import ScheduleError
+from .actions import PassKind, ScheduleError
 
 __all__ = ["Costs", "MemoryModel", "parse_costs", "parse_memory_model"]
 
@@ -91,6 +91,13 @@ class MemoryModel:
             )
         if self.backward > 0 or self.weight > 0:
             raise ScheduleError("memory: backward and weight deltas must be <= 0")
+
+    @property
+    def deltas(self) -> dict[PassKind, float]:
+        """Per compute kind, what the pass adds (a fused BW: B's and W's together); the one
+        table the simulator, the replay, the greedy and the local search step memory by."""
+        return {PassKind.F: self.forward, PassKind.B: self.backward, PassKind.W: self.weight,
+                PassKind.BW: self.backward + self.weight}
 
 
 def parse_memory_model(text: str) -> MemoryModel:

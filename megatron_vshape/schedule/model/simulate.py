@@ -77,12 +77,7 @@ def action_durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, fl
 
 def peak_memory(schedule: Schedule, memory: MemoryModel = MemoryModel()) -> tuple[float, ...]:
     """Per-rank peak activation memory (units above) of the schedule's order."""
-    delta = {
-        PassKind.F: memory.forward,
-        PassKind.B: memory.backward,
-        PassKind.W: memory.weight,
-        PassKind.BW: memory.backward + memory.weight,
-    }
+    delta = memory.deltas
     peaks = []
     for actions in schedule.rank_actions:  # hot in the search: plain loop, sends skipped by .get
         level = best = 0.0

@@ -49,8 +49,7 @@ class _Search:
         self.placement, self.m, self.cap, self.window = placement, m, cap, window
         self.durations = pass_durations(placement, costs)
         self.comm = costs.comm
-        self.delta = {F: memory.forward, B: memory.backward, W: memory.weight,
-                      PassKind.BW: memory.backward + memory.weight}
+        self.delta = memory.deltas
         self.table = hop_table(placement, m)
         self.rank_of = [placement.rank_of(s) for s in range(placement.num_stages)]
         self.orders = [list(o) for o in orders]
