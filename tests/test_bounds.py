@@ -48,3 +48,19 @@ def test_p16_unbalanced_target_is_unreachable_for_large_m(comm, m):
     c = Costs.build(p, *UNBALANCED, comm=comm)
     one = simulate(build_schedule("1f1b", p, m), c)
     assert makespan_floor(Placement(p, Layout.V), m, c, (p + 4) // 3) > one.makespan
+
+
+def test_fill_and_drain_rule_out_v_zb_at_092_of_1f1b_for_p4_m32():
+    """Issue 15's real-cost target v-zb <= 0.92 x 1F1B (costs 2,2.78,0.7,0.05, m = 8p) cannot be
+    met at p = 4 under the default memory model: rank 3 starts after 3 x (1 + 0.05), computes
+    32 x 5.48, and its last B is followed by 3 x 1.39 + 3 x 0.05 of drain, of which at most 8
+    deferred W passes (0.35 each, one chunk-activation each within 4 units) hide 2.8: 180.03,
+    0.926 x 1F1B's 194.4. When B frees three quarters (1,-0.75,-0.25), 32 W fit and the floor
+    falls to 178.51 (0.918): no proof there."""
+    p, m = 4, 32
+    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    one = simulate(build_schedule("1f1b", p, m), c).makespan
+    floor = makespan_floor(Placement(p, Layout.V), m, c, p)
+    assert floor == pytest.approx(180.03) and floor > 0.92 * one
+    frees = MemoryModel(1, -0.75, -0.25)
+    assert makespan_floor(Placement(p, Layout.V), m, c, p, frees) == pytest.approx(178.51)

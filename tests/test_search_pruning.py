@@ -79,7 +79,7 @@ def test_infeasible_error_still_names_the_smallest_peak_of_every_block():
     """Skipped family blocks are probed when nothing fits, so the error stays exact."""
     _search_cached.cache_clear()
     with pytest.raises(InfeasibleMemoryError) as err:
-        search(16, 64, Costs.build(16), 1.0)
+        search(16, 64, Costs.build(16), 0.5)
     smallest = min(_probe_peak(v_block(16, o), 64, MemoryModel()) for o in v_family(16)
                    if v_block(16, o) is not None)
     assert err.value.smallest <= smallest

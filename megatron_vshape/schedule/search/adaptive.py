@@ -2,13 +2,22 @@
 
 Candidates, all V-shaped (two chunks per rank):
 
-    fixed blocks     V-Min, V-Half, V-ZB as the registry builds them
+    fixed blocks     V-Min, V-Half, V-ZB as the registry builds them, and V-Min and V-Half
+                     squeezed and reordered pass by pass as the paper's code does
+                     (slot_reorder.py)
     block family     offsets (k1, k2, split) of family.py, repeated, squeezed, cool-down reordered
+    wave             V-ZB's cost-aware construction (wave.py) under the limit (at 1F1B's
+                     memory, for small cases, and when nothing else fits)
     continuous       periodic.py's cost-aware blocks (real-time offsets), a few periods
     timed replay     the best few of the above replayed in real time under the limit (timed.py),
                      which fills the stalls of unbalanced costs with W, B and fitting F passes:
                      the 4 fastest, plus the fastest of up to 2 other memory peaks, since
-                     replays reorder the candidates (3 and 1 for over 12,000 passes)
+                     replays reorder the candidates (3 and 1 for over 12,000 passes); the
+                     slot-reordered and wave orders are not replayed: they are finished
+                     orders, and taking replay slots from the blocks lost the best replay
+                     (p = 4, m = 64, costs 2,2.4,1.6,0.5 at 3 units: 0.119 bubble, not 0.041)
+    polished         the 3 fastest of all the above, improved by the local search (local.py),
+                     then the fastest of all polished once more with a larger budget
 
 Each candidate is timed by the simulator with the real costs and kept only when its peak memory
 is within the limit; the one with the smallest makespan wins (ties: less memory, then the order
@@ -40,6 +49,8 @@ from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
 from ..build.family import v_block, v_family
 from ..build.periodic import periodic_block, periodic_orders
+from ..build.slot_reorder import slot_reorder
+from ..build.wave import wave_schedule
 from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
@@ -59,7 +70,16 @@ _REPLAY_SLACK = (0, 1)
 _PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
 _POLISHED = 3
 _POLISH_BUDGET = 100_000
-"""Passes the local search may time per start (about 0.2 s; a bound, so results repeat)."""
+"""Passes the local search may time per start (about 0.1 s; a bound, so results repeat)."""
+_FINAL_POLISH_BUDGET = 600_000
+"""Passes for polishing the winner once more (about 0.4 s): at p = 4, m = 16, costs 1,1.2,0.8
+at V-Min's memory it takes the makespan from 61.4 to issue 3's best known (CP-SAT) 61.1, and
+67.2 to 66.6 with comm 0.1; 500,000 stop at 66.7, 200,000 at 61.4 and 66.9."""
+_WAVE_CHEAP_PASSES = 2_000
+"""The wave is tried at 1F1B's memory, where it wins (V-ZB), and below it only when it is cheap
+(at most this many passes) or nothing else fits: over p 4-16, m 8 and 32, three cost ratios,
+two hop times and both memory models it won 42 of 72 points at p units, 2 of 72 at V-Min's and
+none at V-Half's or 3p/4, and it costs about 0.3 s at p = 16, m = 64."""
 _EPS = 1e-9
 F, B = PassKind.F, PassKind.B
 
@@ -92,6 +112,8 @@ class _Candidate:
     makespan: float
     rank: int  # position in the candidate list, for deterministic ties
     result: SimResult | None  # None for a replay: simulated only if it wins
+    replayable: bool = True
+    """Whether the replays may start from it (module doc: not the finished constructions)."""
 
 
 def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: float | None = None,
@@ -149,7 +171,8 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
     pool: list[_Candidate] = []
     smallest: list[tuple[float, str]] = []
 
-    def consider(description: str, build: Callable[[], tuple | Replay]) -> None:
+    def consider(description: str, build: Callable[[], tuple | Replay],
+                 replayable: bool = True) -> None:
         try:
             built = build()
         except ScheduleError:
@@ -162,13 +185,20 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
             # a replay timed itself; everything else is timed by the simulator
             result = None if isinstance(built, Replay) else simulate(schedule, costs, memory)
             makespan = built.makespan if result is None else result.makespan
-            pool.append(_Candidate(description, orders, peak, makespan, len(pool), result))
+            pool.append(_Candidate(description, orders, peak, makespan, len(pool), result,
+                                   replayable))
 
     for family in (V_MIN, V_HALF, V_ZB):
         if _named_over(family, p, m, limit, memory):  # its peak is known: skip the build
             smallest.append((family.memory_bound(p), f"{family.name} block"))
             continue
         consider(f"{family.name} block", functools.partial(_named, family.name, p, m))
+        if family is not V_ZB:
+            consider(f"{family.name} block, slot-reordered",
+                     functools.partial(slot_reorder, family.build(p), m), replayable=False)
+    wave = functools.partial(_wave, p, m, costs, limit, memory)
+    if limit >= p - _EPS or 6 * p * m <= _WAVE_CHEAP_PASSES:
+        consider("V-ZB wave, cost-aware", wave, replayable=False)
     skipped: list = []
     for offsets, block in _family_within(p, m, limit, memory, smallest, skipped):
         consider(f"V family block, {offsets.describe()}",
@@ -188,11 +218,18 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
         consider(f"{base.description}, polished",
                  functools.partial(_polish, placement, m, base.orders, costs,
                                    limit * placement.chunks, memory))
+    if not pool and limit < p - _EPS and 6 * p * m > _WAVE_CHEAP_PASSES:
+        consider("V-ZB wave, cost-aware", wave)  # below every block it may still fit
     if not pool:
         smallest.extend((_probe_peak(block, m, memory), f"V family block, {offsets.describe()}")
                         for offsets, block in skipped)
+        smallest.extend(_least_wave(p, m, costs, memory))
         peak, description = min(smallest)
         raise InfeasibleMemoryError(limit, peak, description)
+    winner = min(pool, key=_key)
+    consider(f"{winner.description}, polished further",
+             functools.partial(_polish, placement, m, winner.orders, costs,
+                               limit * placement.chunks, memory, _FINAL_POLISH_BUDGET))
     winner = min(pool, key=_key)
     schedule = Schedule("auto", placement, m, winner.orders, memory_bound=limit,
                         description=f"auto: {winner.description} (limit {limit:g} units)")
@@ -208,7 +245,7 @@ def _replay_bases(pool: list[_Candidate], count: int, extra: int) -> list[tuple[
     predicts the order after it poorly across levels (p = 16, m = 256, costs 1, 1.2, 0.8:
     the 7.5-unit block ranks fourth before replay and first after it).
     """
-    ranked = sorted(pool, key=_key)
+    ranked = sorted((c for c in pool if c.replayable), key=_key)
     bases = [(c, _REPLAY_SLACK) for c in ranked[:count]]
     peaks = {c.peak for c in ranked[:count]}
     for candidate in ranked[count:]:
@@ -229,8 +266,8 @@ def _polish_bases(pool: list[_Candidate], count: int) -> list[_Candidate]:
 
 
 def _polish(placement: Placement, m: int, orders, costs: Costs, cap: float,
-            memory: MemoryModel) -> tuple:
-    return improve(placement, m, orders, costs, cap, memory, _POLISH_BUDGET).orders
+            memory: MemoryModel, budget: int = _POLISH_BUDGET) -> tuple:
+    return improve(placement, m, orders, costs, cap, memory, budget).orders
 
 
 def _key(candidate: _Candidate) -> tuple:
@@ -246,6 +283,22 @@ def _named_over(family, p: int, m: int, limit: float, memory: MemoryModel) -> bo
     peak is exactly its bound, (p+4)//3, (p+2)//2 or p units (tests/test_search_pruning.py
     checks this for p up to 32), so building it only to reject it can be skipped."""
     return memory == MemoryModel() and m >= p and family.memory_bound(p) > limit + _EPS
+
+
+def _wave(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel) -> tuple:
+    return wave_schedule(p, m, costs, limit * Layout.V.chunks, memory).orders
+
+
+def _least_wave(p: int, m: int, costs: Costs, memory: MemoryModel) -> list:
+    """(peak, description) of the wave at the least limit it can keep: one microbatch of each
+    chunk in flight, the least any V order holds (rank 0 keeps both until the loss)."""
+    least = memory.forward  # in units: two chunk-activations
+    try:
+        orders = _wave(p, m, costs, least, memory)
+    except ScheduleError:
+        return []
+    peak = max(peak_memory(Schedule("probe", Placement(p, Layout.V), m, orders), memory))
+    return [(peak, "V-ZB wave, cost-aware")]
 
 
 def _periodic(p: int, m: int, costs: Costs, scale: float) -> tuple:

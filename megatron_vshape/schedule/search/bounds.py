@@ -1,4 +1,5 @@
-"""A lower bound on any schedule's makespan from its memory limit (Little's law).
+"""Lower bounds on any schedule's makespan: compute, the memory limit (Little's law), and the
+pipeline's fill and drain (:func:`fill_and_drain_floor`).
 
 On every rank, each microbatch's activation of a chunk is held from the start of its F until
 the end of its B (the part B frees) or of its W (the rest), and between those the microbatch
@@ -19,7 +20,7 @@ from __future__ import annotations
 from ..model.costs import Costs, MemoryModel
 from ..model.placement import Placement
 
-__all__ = ["lifetime_per_microbatch", "makespan_floor"]
+__all__ = ["lifetime_per_microbatch", "makespan_floor", "fill_and_drain_floor"]
 
 
 def lifetime_per_microbatch(placement: Placement, costs: Costs, rank: int,
@@ -52,4 +53,38 @@ def makespan_floor(placement: Placement, microbatches: int, costs: Costs, limit:
                for r in range(placement.ranks))
     by_memory = max(microbatches * lifetime_per_microbatch(placement, costs, r, memory) / level
                     for r in range(placement.ranks))
-    return max(work, by_memory)
+    return max(work, by_memory, fill_and_drain_floor(placement, microbatches, costs, limit, memory))
+
+
+def fill_and_drain_floor(placement: Placement, microbatches: int, costs: Costs, limit: float,
+                         memory: MemoryModel = MemoryModel()) -> float:
+    """The pipeline's fill and drain, which no order hides completely.
+
+    Rank r can start nothing before the first microbatch's forwards reach one of its stages
+    (``start``). After its last B the rank runs only W passes, while the gradient still walks
+    down to stage 0 (``drain``: the B passes of the stages below, one hop per rank crossing);
+    W passes deferred past that B fill the drain, but each one holds its activation's leftover
+    (``-memory.weight``), so at most ``limit`` worth of them wait. Hence, on every rank::
+
+        makespan >= start + the rank's compute + max(0, drain - deferrable W time)
+    """
+    chunks, stages = placement.chunks, placement.num_stages
+    owner = [placement.rank_of(s) for s in range(stages)]
+    f = [costs.forward[owner[s]] / chunks for s in range(stages)]
+    b = [costs.backward[owner[s]] / chunks for s in range(stages)]
+
+    def hops(first: int, last: int) -> int:
+        return sum(owner[s] != owner[s + 1] for s in range(first, last))
+
+    held = -memory.weight
+    waiting = chunks * microbatches if held <= 0 else \
+        min(chunks * microbatches, int(limit * chunks / held + 1e-9))
+    floor = 0.0
+    for rank in range(placement.ranks):
+        own = [placement.stage_of(rank, c) for c in range(chunks)]
+        start = min(sum(f[:s]) + hops(0, s) * costs.comm for s in own)
+        drain = min(sum(b[:s]) + hops(0, s) * costs.comm for s in own)
+        compute = microbatches * (costs.forward[rank] + costs.backward[rank] + costs.weight[rank])
+        deferrable = waiting * costs.weight[rank] / chunks
+        floor = max(floor, start + compute + max(0.0, drain - deferrable))
+    return floor
