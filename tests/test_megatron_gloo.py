@@ -243,6 +243,12 @@ def test_auto_replans_from_measured_costs_and_stays_equal(pp4_training_loop):
     # the agreed costs are the mean over pipelines, on the scale of one pipeline's own profile
     replanned = last[0]["replanned_costs"]
     assert 0.5 < sum(replanned.forward) / sum(costs.forward) < 2
+    # the memory model measured in the profiled iterations: B frees part of a chunk, W the
+    # rest (megatron's deferred W keeps each linear's input), agreed on every rank
+    models = {r["memory_model"] for r in last}
+    assert len(models) == 1
+    memory = models.pop()
+    assert memory.forward == 1.0 and -1.0 < memory.backward < 0.0 < -memory.weight < 1.0
 
 
 def test_auto_under_a_byte_limit_measures_its_unit_then_replans():

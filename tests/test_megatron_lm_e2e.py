@@ -286,6 +286,9 @@ def test_auto_replans_inside_the_loop_from_measured_costs(runs):
     plans = [line for line in log.splitlines() if line.startswith("[vshape] schedule=auto")]
     assert len(plans) == 2, plans  # the provisional plan, then the re-planned one
     assert "[vshape] re-planning auto from measured costs F,B,W,COMM=" in log
+    # and from the measured memory model: the share of a chunk's activations B leaves for W
+    [replan] = [line for line in log.splitlines() if "re-planning auto" in line]
+    assert 0 < float(replan.split("B leaves ")[1].split()[0]) < 1
     assert all("memory_limit=0.75 of 1F1B" in line for line in plans)
     peaks = [float(line.split("peak_memory_vs_1f1b=")[1].split()[0]) for line in plans]
     assert max(peaks) <= 0.75

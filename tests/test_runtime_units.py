@@ -75,6 +75,20 @@ def test_tracker_counts_storages_once_skips_parameters_and_holds_no_reference():
     assert tracker.peak == 0
 
 
+def test_backward_leftover_is_what_b_keeps_per_chunk():
+    from megatron_vshape.runtime import backward_leftover
+    from megatron_vshape.schedule import Action, Layout, Placement
+
+    placement = Placement(2, Layout.V)  # rank 0 holds stages 0 (chunk 0) and 3 (chunk 1)
+    F, B = PassKind.F, PassKind.B
+    passes = [(Action(F, 0, 0), 100), (Action(F, 3, 0), 40), (Action(B, 3, 0), -30),
+              (Action(F, 0, 1), 100), (Action(B, 0, 0), -80), (Action(B, 0, 1), -90)]
+    # chunk 0: (100 - 80 + 100 - 90) / 200; chunk 1: (40 - 30) / 40; a lone F is not counted
+    assert backward_leftover(passes, placement) == {0: pytest.approx(0.15), 1: pytest.approx(0.25)}
+    assert backward_leftover([(Action(F, 0, 0), 10), (Action(B, 0, 0), 5)], placement) == {0: 1.0}
+    assert backward_leftover([], placement) == {}
+
+
 def test_w_store_counts_what_w_keeps_until_w_runs():
     tracker = ActivationTracker()
     store = WeightGradStore(tracker)

@@ -23,6 +23,7 @@ from ..runtime.interpreter import PipelineRunner, RunnerConfig
 from ..runtime.p2p import TensorSpec
 from ..runtime.profile import PassProfile
 from ..runtime.streams import StreamGroups
+from ..schedule.model.costs import MemoryModel
 from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, VARIANTS, build_schedule
 from ..schedule.search.levels import LEVEL_NAMES
@@ -133,7 +134,7 @@ class VShapeForwardBackward:
         if not forward_only:
             _finish_grads(stages, chunks, config, pg, force_all_reduce, loss_rank)
             self.profile.add(self.last_step.timeline)
-            if self.replanner.end_step(schedule, pg.pp.rank()):
+            if self.replanner.end_step(schedule, pg.pp.rank(), self.last_step.pass_bytes):
                 self._replan(schedule, pg, spec)
         if config.timers is not None:
             config.timers("forward-backward").stop()
@@ -162,20 +163,23 @@ class VShapeForwardBackward:
         if key not in self._schedules:
             self._schedules[key] = self._build(p, m)
             self.plans.append((self.replanner.steps, self._schedules[key].description))
-            _log_schedule(self._schedules[key], self.costs, self.memory_limit)
+            _log_schedule(self._schedules[key], self.costs, self.memory_limit,
+                          self.replanner.memory or MemoryModel())
         self.last_schedule = self._schedules[key]
         return self.last_schedule
 
     def _build(self, p, m):
         """The schedule for (p, m); ``auto`` under a byte limit starts as V-Min (the smallest
         memory) until the profiled iterations have measured the bytes of a unit."""
+        memory = self.replanner.memory or MemoryModel()
         if self.schedule != "auto":
-            return build_schedule(self.schedule, p, m, costs=self.costs, variant=self.variant)
+            return build_schedule(self.schedule, p, m, costs=self.costs, variant=self.variant,
+                                  memory=memory)
         if self.memory_limit is not None and self.memory_limit.needs_activation_bytes and \
                 self.replanner.activation_bytes is None:
             return build_schedule("v-min", p, m)
         return build_schedule("auto", p, m, costs=self.costs,
-                              memory_limit=self.replanner.limit_units(p, m))
+                              memory_limit=self.replanner.limit_units(p, m), memory=memory)
 
     def _replan(self, schedule, pg, spec) -> None:
         """Re-plan from what the profiled iterations measured (same on every rank)."""
@@ -185,9 +189,12 @@ class VShapeForwardBackward:
         self._schedules.clear()
         self._runners.clear()
         self._relearn_ddp = True
-        log.info("[vshape] re-planning %s from measured costs F,B,W,COMM=%s%s", self.schedule,
+        memory = self.replanner.memory
+        log.info("[vshape] re-planning %s from measured costs F,B,W,COMM=%s%s%s", self.schedule,
                  self.costs.as_list(), "" if self.replanner.activation_bytes is None else
-                 f" and {self.replanner.activation_bytes:.4g} bytes per unit")
+                 f" and {self.replanner.activation_bytes:.4g} bytes per unit",
+                 "" if memory is None else
+                 f"; B leaves {-memory.weight:.3g} of a chunk's activations for W")
 
     def _runner(self, schedule, pg, spec, config, profiling=False) -> PipelineRunner:
         """One validated runner per (schedule, pipeline, tensor spec), reused across steps."""
@@ -319,9 +326,10 @@ def _map_tensors(value, fn):
     return value
 
 
-def _log_schedule(schedule, costs, limit) -> None:
-    """One line per schedule built (``vshape collect`` parses it from training logs)."""
-    result = simulate(schedule, costs)
+def _log_schedule(schedule, costs, limit, memory) -> None:
+    """One line per schedule built (``vshape collect`` parses it from training logs); the peak
+    under the memory model the schedule was planned with (measured once re-planned)."""
+    result = simulate(schedule, costs, memory)
     log.info("[vshape] schedule=%s ranks=%d microbatches=%d peak_memory_vs_1f1b=%.4f "
              "bubble_rate=%.4f memory_limit=%s description=%s", schedule.name, schedule.ranks,
              schedule.microbatches, result.peak_memory_vs_1f1b, result.bubble_rate,

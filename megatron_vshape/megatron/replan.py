@@ -2,12 +2,15 @@
 
 The paper's adaptive scheduler (section 4) needs T_F, T_B, T_W, T_comm and a memory limit; the
 reference implementation never fed it measured values. Here the first ``after`` training
-iterations run a provisional schedule while every pass is timed (runtime/profile.py) and, for a
-limit in bytes, the bytes kept for backward are tracked; then every rank agrees on one set of
-costs and one bytes-per-unit figure, and ``auto`` is searched again from them::
+iterations run a provisional schedule while every pass is timed (runtime/profile.py) and the
+bytes kept for backward are tracked: around every F and B, so the share of a chunk's
+activations that B leaves for W is measured (the memory model, runtime/memory.py
+``backward_leftover``), and for a limit in bytes the peak; then every rank agrees on one set of
+costs, one memory model and one bytes-per-unit figure, and the schedule is searched again from
+them::
 
     iteration   0 .. after-1                 after ...
-    schedule    provisional (profiled)       auto(measured costs, limit)   same on every rank
+    schedule    provisional (profiled)       auto(measured costs, memory model, limit)
 
 Every rank must end with the same schedule: data-parallel replicas issue their gradient-bucket
 reductions in W order, so different orders would mismatch collectives. Hence the measured
@@ -22,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..runtime.memory import ActivationTracker
+from ..runtime.memory import ActivationTracker, backward_leftover
 from ..runtime.profile import PassProfile, measure_hop_latency
-from ..schedule.model.costs import Costs
+from ..schedule.model.costs import Costs, MemoryModel
 from ..schedule.model.limits import MemoryLimit
 from ..schedule.model.schedule import Schedule
 from ..schedule.model.simulate import simulate
@@ -47,8 +50,12 @@ class Replanner:
     done: bool = False
     activation_bytes: float | None = None
     """Measured bytes of one unit (one microbatch's activations of one rank's layer share)."""
+    memory: MemoryModel | None = None
+    """The measured memory model (B frees what it does not leave for W), once re-planned."""
     tracker: ActivationTracker | None = None
     _peaks: list = field(default_factory=list)
+    _leftovers: list = field(default_factory=list)
+    """This rank's largest per-chunk share that B leaves for W, per profiled iteration."""
     """(this rank's measured peak bytes, its simulated peak units) per profiled iteration."""
 
     def __post_init__(self) -> None:
@@ -61,20 +68,25 @@ class Replanner:
         return self.after > 0 and not self.done
 
     def start_step(self, parameters) -> ActivationTracker | None:
-        """A fresh tracker for a profiled iteration when the limit is in bytes, else None."""
-        if not self.profiling or self.limit is None or not self.limit.needs_activation_bytes:
+        """A fresh tracker for a profiled iteration, else None."""
+        if not self.profiling:
             return None
         self.tracker = ActivationTracker(parameters)
         return self.tracker
 
-    def end_step(self, schedule: Schedule, rank: int) -> bool:
-        """Record a profiled iteration; True when it is time to re-plan."""
+    def end_step(self, schedule: Schedule, rank: int, pass_bytes=()) -> bool:
+        """Record a profiled iteration (``pass_bytes``: the step's tracked bytes change per F
+        and B pass); True when it is time to re-plan."""
         if not self.profiling:
             return False
         if self.tracker is not None:
-            units = simulate(schedule).peak_memory[rank]
-            self._peaks.append((self.tracker.peak, units))
+            if self.limit is not None and self.limit.needs_activation_bytes:
+                units = simulate(schedule).peak_memory[rank]
+                self._peaks.append((self.tracker.peak, units))
             self.tracker = None
+        leftover = backward_leftover(pass_bytes, schedule.placement)
+        if leftover:
+            self._leftovers.append(max(leftover.values()))
         self.steps += 1
         return self.steps >= self.after
 
@@ -95,8 +107,21 @@ class Replanner:
             top = torch.tensor([per_unit], dtype=torch.float64, device=device)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
             self.activation_bytes = float(top[0])
+        self.memory = self._agreed_memory(device)
         self.done = True
         return Costs.build(p, f, b, w, comm=comm)
+
+    def _agreed_memory(self, device) -> MemoryModel | None:
+        """The memory model every rank uses: the largest leftover any rank measured (what
+        fits under it fits everywhere); None when nothing was measured (-1 on every rank)."""
+        mine = max(self._leftovers, default=-1.0)
+        top = torch.tensor([mine], dtype=torch.float64, device=device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        leftover = float(top[0])
+        if leftover < 0:
+            return None
+        leftover = round(leftover, 3)  # a few bytes' noise must not change the plan
+        return MemoryModel(1.0, leftover - 1.0, -leftover)
 
     def limit_units(self, ranks: int, microbatches: int) -> float | None:
         """The limit in units for the next search (None: no limit)."""

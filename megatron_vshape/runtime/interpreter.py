@@ -45,6 +45,9 @@ from .streams import StreamGroups, route_of
 
 __all__ = ["RunnerConfig", "StepResult", "PipelineRunner"]
 
+_MEASURED = (PassKind.F, PassKind.B)
+"""Passes whose change of the tracked bytes a step records (the memory model's F and B)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -90,6 +93,9 @@ class StepResult:
     """(action, start, end) of every compute pass, seconds from the step's start."""
     started: float = 0.0
     """``time.perf_counter()`` at the step's start (aligns timelines of one machine's ranks)."""
+    pass_bytes: list = field(default_factory=list)
+    """(action, change of the bytes kept for backward) of every F and B pass, with a tracker:
+    what :func:`.memory.backward_leftover` reads the memory model from."""
 
 
 @dataclass
@@ -109,6 +115,7 @@ class _StepState:
     device_free: float = 0.0                         # emulated-cost mode: see _emulate
     data_ready: float = 0.0
     timeline: list = field(default_factory=list)     # (action, start, end) of compute passes
+    pass_bytes: list = field(default_factory=list)   # (action, tracked bytes change): F and B
 
 
 def _receive_posting_points(actions: Sequence[Action], lookahead: int) -> dict[int, list[int]]:
@@ -191,15 +198,20 @@ class PipelineRunner:
         self.iteration += 1
         losses = [state.losses[k] for k in sorted(state.losses)]
         peak = self.tracker.peak if self.tracker is not None else 0
-        return StepResult(losses, peak, time.perf_counter() - start, state.timeline, start)
+        return StepResult(losses, peak, time.perf_counter() - start, state.timeline, start,
+                          state.pass_bytes)
 
     def _run(self, action: Action, state: _StepState) -> None:
         sync = self.config.synchronize and action.kind.is_compute and torch.cuda.is_available()
         if sync:
             torch.cuda.synchronize()
+        measured = self.tracker is not None and state.training and action.kind in _MEASURED
+        live = self.tracker.live if measured else 0
         begin = time.perf_counter()
         with torch.autograd.profiler.record_function(str(action)):
             self._handlers[action.kind](action, state)
+        if measured:
+            state.pass_bytes.append((action, self.tracker.live - live))
         if not action.kind.is_compute:
             return
         if sync:

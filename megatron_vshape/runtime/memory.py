@@ -12,11 +12,14 @@ and counts it down with ``weakref.finalize`` when that alias dies.
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from typing import Iterable
 
 import torch
 
-__all__ = ["ActivationTracker"]
+from ..schedule.model.actions import PassKind
+
+__all__ = ["ActivationTracker", "backward_leftover"]
 
 
 class ActivationTracker:
@@ -62,3 +65,26 @@ class ActivationTracker:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def backward_leftover(pass_bytes, placement) -> dict[int, float]:
+    """Per chunk, the share of a forward's kept bytes that its B leaves for W.
+
+    ``pass_bytes`` is a step's (action, change of tracked bytes) of its F and B passes
+    (:attr:`.interpreter.StepResult.pass_bytes`). For every microbatch whose F and B both ran,
+    F adds ``f`` bytes and B changes them by ``b`` (negative: what it frees), so ``f + b`` is
+    still held for W; summed over the microbatches of a chunk, ``(f + b) / f`` is the chunk's
+    leftover, the ``-memory.weight`` of the schedule's memory model (issue 15's measurement;
+    an H100 run left 8-25%). Chunks with nothing measured are absent.
+    """
+    forward: dict = {}
+    backward: dict = {}
+    for action, delta in pass_bytes:
+        (forward if action.kind is PassKind.F else backward)[(action.stage, action.microbatch)] = delta
+    added, left = defaultdict(float), defaultdict(float)
+    for key, f in forward.items():
+        if key in backward and f > 0:
+            chunk = placement.locate(key[0])[1]
+            added[chunk] += f
+            left[chunk] += f + backward[key]
+    return {chunk: min(1.0, max(0.0, left[chunk] / added[chunk])) for chunk in sorted(added)}

@@ -165,6 +165,7 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
     out[-1]["replanned"] = fb.replanner.done
     out[-1]["replanned_costs"] = fb.costs if fb.replanner.done else None
     out[-1]["activation_bytes"] = fb.replanner.activation_bytes
+    out[-1]["memory_model"] = fb.replanner.memory
     out[-1]["plans"] = list(fb.plans)
     return out
 
