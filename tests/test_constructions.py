@@ -35,7 +35,8 @@ def test_slot_reorder_is_valid_and_within_the_blocks_bound(family, p, m):
 ])
 def test_slot_reorder_gives_the_papers_code_bubbles(family, p, m, bubble):
     schedule = _schedule(p, m, slot_reorder(family.build(p), m))
-    assert simulate(schedule, Costs.build(p, 2, 2, 2)).bubble_rate == pytest.approx(bubble, abs=5e-5)
+    result = simulate(schedule, Costs.build(p, 2, 2, 2))
+    assert result.bubble_rate == pytest.approx(bubble, abs=5e-5)
 
 
 def test_slot_reorder_refuses_a_one_chunk_block():

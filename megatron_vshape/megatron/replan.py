@@ -54,9 +54,9 @@ class Replanner:
     """The measured memory model (B frees what it does not leave for W), once re-planned."""
     tracker: ActivationTracker | None = None
     _peaks: list = field(default_factory=list)
+    """(this rank's measured peak bytes, its simulated peak units) per profiled iteration."""
     _leftovers: list = field(default_factory=list)
     """This rank's largest per-chunk share that B leaves for W, per profiled iteration."""
-    """(this rank's measured peak bytes, its simulated peak units) per profiled iteration."""
 
     def __post_init__(self) -> None:
         if self.after < 0:

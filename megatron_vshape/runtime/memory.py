@@ -80,7 +80,8 @@ def backward_leftover(pass_bytes, placement) -> dict[int, float]:
     forward: dict = {}
     backward: dict = {}
     for action, delta in pass_bytes:
-        (forward if action.kind is PassKind.F else backward)[(action.stage, action.microbatch)] = delta
+        kept = forward if action.kind is PassKind.F else backward
+        kept[(action.stage, action.microbatch)] = delta
     added, left = defaultdict(float), defaultdict(float)
     for key, f in forward.items():
         if key in backward and f > 0:

@@ -64,7 +64,8 @@ def slot_reorder(block: BuildingBlock, microbatches: int) -> tuple[tuple[Action,
 def _repeated(block: BuildingBlock, rank: int, m: int) -> list[list[int]]:
     """Slots of each type on ``rank``, microbatch k at index k."""
     by_kind = {kind_chunk: slot for kind_chunk, slot in block.slots[rank]}
-    out = [[by_kind[_KIND_CHUNK[t]] + block.interval * k for k in range(m)] for t in (F0, F1, B1, B0)]
+    out = [[by_kind[_KIND_CHUNK[t]] + block.interval * k for k in range(m)]
+           for t in (F0, F1, B1, B0)]
     return out + [[]]
 
 

@@ -3,8 +3,9 @@
 The hand-written ZB-V order (zbv.py) is zero-bubble only when F, B and W take the same time and
 hops are free. The paper's code builds V-ZB differently: rank by rank in simulated time, with
 the real pass times and hop time, under a memory limit. This module is our construction of that
-kind (from the paper's description and the behaviour of its generator, which the comparison
-script times side by side):
+kind, written after reading that generator (sail-sg/zero-bubble-pipeline-parallelism, zbv.py)
+for its rules; at 1F1B's memory it matches its makespans at 67 of 72 points of
+scripts/bench/reference_compare.py's grid and beats them at 5 (we pick the variant by makespan):
 
     wave       every rank runs one chunk-0 F; then from the last rank down, each rank runs its
                chunk-1 F, and before it ranks 0..r run extra chunk-0 forwards while rank r has
@@ -18,9 +19,12 @@ script times side by side):
     balancing  the construction is repeated with each rank allowed the bubbles of the previous
                run (a rank that lost less may wait longer), while the worst rank's bubble falls
 
-Variants fill the waits before chunk-0 backwards and before forwards or not; the fastest
+Variants fill the waits before chunk-1 backwards and before forwards or not; the fastest
 variant (its own timing, which the simulator reproduces) is returned. The memory limit is in
-chunk-activations under the given memory model, so B's share of the savings counts.
+chunk-activations under the given memory model, so B's share of the savings counts. Below 1F1B's
+memory these rules deadlock (every rank full of chunk-0 activations, none able to run its
+chunk-1 forward); then a second set keeps room for the chunk-1 forwards a rank owes and lets
+rounds skip what the limit keeps out, which reaches down to one microbatch per chunk in flight.
 """
 from __future__ import annotations
 
@@ -41,6 +45,19 @@ _BALANCING_ROUNDS = 64
 
 
 @dataclass(frozen=True)
+class _Rules:
+    """One variant of the construction (module doc)."""
+
+    fill_b: bool
+    """Fill the wait before a chunk-1 B with one W beyond what the wait holds (bubble balancing;
+    before a chunk-0 B always)."""
+    fill_f: bool
+    """The same before a forward."""
+    keep_room: bool
+    """A chunk-0 forward keeps room for the chunk-1 forwards the rank owes (tight limits)."""
+
+
+@dataclass(frozen=True)
 class WaveResult:
     orders: tuple[tuple[Action, ...], ...]
     makespan: float
@@ -51,10 +68,9 @@ class _Run:
     """One construction (module doc) with fixed fill choices and allowed bubbles."""
 
     def __init__(self, p: int, m: int, durations: list, comm: float, cap: float,
-                 delta: dict, rules: tuple, allowed: list | None):
+                 delta: dict, rules: "_Rules", allowed: list | None):
         self.p, self.m, self.durations, self.comm, self.cap = p, m, durations, comm, cap
-        self.delta = delta
-        self.fill_b, self.fill_f, self.keep_room = rules
+        self.delta, self.rules = delta, rules
         self.allowed = allowed or [0.0] * p
         self.most_allowed = max(self.allowed)
         self.now = [0.0] * p
@@ -227,7 +243,7 @@ class _Run:
         for rank, chunk in [(r, 0) for r in reversed(chunk0)] + [(r, 1) for r in chunk1]:
             if self.count[rank][(B, chunk)] >= self.m or not self._input_ready(B, chunk, rank):
                 continue  # its input is not there yet (a tight limit delayed a forward)
-            self._fill(B, chunk, rank, extra=chunk == 0 or self.fill_b)
+            self._fill(B, chunk, rank, extra=chunk == 0 or self.rules.fill_b)
             self.put(B, chunk, rank)
 
     def _forward_round(self) -> None:
@@ -240,14 +256,14 @@ class _Run:
                 self.put_w(rank)
             if self.memory[rank] + needed > self.cap + _EPS:
                 continue  # the limit keeps it out this round; a B will make room
-            self._fill(F, chunk, rank, extra=self.fill_f)
+            self._fill(F, chunk, rank, extra=self.rules.fill_f)
             self.put(F, chunk, rank)
 
     def _room_for_forward(self, rank: int, chunk: int) -> float:
         """Memory a forward needs: a chunk-0 F also keeps room for the chunk-1 forwards the
         rank owes, or under a tight limit the V deadlocks (no rank can run its chunk-1 F)."""
         count = self.count[rank]
-        owed = count[(F, 0)] - count[(F, 1)] if chunk == 0 and self.keep_room else 0
+        owed = count[(F, 0)] - count[(F, 1)] if chunk == 0 and self.rules.keep_room else 0
         return self.delta[F] * (1 + owed)
 
     def _next_forward(self, rank: int):
@@ -300,7 +316,7 @@ def wave_schedule(ranks: int, microbatches: int, costs: Costs, cap: float,
             for fill_f in (True, False):
                 try:
                     runs.append(_balanced(ranks, microbatches, durations, costs.comm, cap,
-                                          delta, (fill_b, fill_f, keep_room)))
+                                          delta, _Rules(fill_b, fill_f, keep_room)))
                 except ScheduleError as err:
                     errors.append(str(err))
         if runs:

@@ -75,6 +75,10 @@ _FINAL_POLISH_BUDGET = 600_000
 """Passes for polishing the winner once more (about 0.4 s): at p = 4, m = 16, costs 1,1.2,0.8
 at V-Min's memory it takes the makespan from 61.4 to issue 3's best known (CP-SAT) 61.1, and
 67.2 to 66.6 with comm 0.1; 500,000 stop at 66.7, 200,000 at 61.4 and 66.9."""
+_BUDGET_PER_PASS = 1_600
+"""Both polish budgets are capped at this many passes timed per pass of the schedule: the local
+search spends its whole budget, and a small schedule (p = 2, m = 2: 24 passes) would otherwise
+be timed 25,000 times (4 s) for nothing; from 375 passes (p = 4, m = 16) the caps above bind."""
 _WAVE_CHEAP_PASSES = 2_000
 """The wave is tried at 1F1B's memory, where it wins (V-ZB), and below it only when it is cheap
 (at most this many passes) or nothing else fits: over p 4-16, m 8 and 32, three cost ratios,
@@ -217,7 +221,7 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
     for base in _polish_bases(pool, _POLISHED):
         consider(f"{base.description}, polished",
                  functools.partial(_polish, placement, m, base.orders, costs,
-                                   limit * placement.chunks, memory))
+                                   limit * placement.chunks, memory, _POLISH_BUDGET))
     if not pool and limit < p - _EPS and 6 * p * m > _WAVE_CHEAP_PASSES:
         consider("V-ZB wave, cost-aware", wave)  # below every block it may still fit
     if not pool:
@@ -266,8 +270,10 @@ def _polish_bases(pool: list[_Candidate], count: int) -> list[_Candidate]:
 
 
 def _polish(placement: Placement, m: int, orders, costs: Costs, cap: float,
-            memory: MemoryModel, budget: int = _POLISH_BUDGET) -> tuple:
-    return improve(placement, m, orders, costs, cap, memory, budget).orders
+            memory: MemoryModel, budget: int) -> tuple:
+    passes = sum(len(order) for order in orders)
+    return improve(placement, m, orders, costs, cap, memory,
+                   min(budget, _BUDGET_PER_PASS * passes)).orders
 
 
 def _key(candidate: _Candidate) -> tuple:
