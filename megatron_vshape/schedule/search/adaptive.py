@@ -201,7 +201,8 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
             consider(f"{family.name} block, slot-reordered",
                      functools.partial(slot_reorder, family.build(p), m), replayable=False)
     wave = functools.partial(_wave, p, m, costs, limit, memory)
-    if limit >= p - _EPS or 6 * p * m <= _WAVE_CHEAP_PASSES:
+    wave_tried = limit >= p - _EPS or 6 * p * m <= _WAVE_CHEAP_PASSES
+    if wave_tried:
         consider("V-ZB wave, cost-aware", wave, replayable=False)
     skipped: list = []
     for offsets, block in _family_within(p, m, limit, memory, smallest, skipped):
@@ -222,7 +223,7 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
         consider(f"{base.description}, polished",
                  functools.partial(_polish, placement, m, base.orders, costs,
                                    limit * placement.chunks, memory, _POLISH_BUDGET))
-    if not pool and limit < p - _EPS and 6 * p * m > _WAVE_CHEAP_PASSES:
+    if not pool and not wave_tried:
         consider("V-ZB wave, cost-aware", wave)  # below every block it may still fit
     if not pool:
         smallest.extend((_probe_peak(block, m, memory), f"V family block, {offsets.describe()}")
