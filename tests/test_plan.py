@@ -132,6 +132,58 @@ def test_analytic_costs_are_24bsh2_plus_4bs2h_and_backward_twice_forward():
     assert tp2.forward > t.forward / 2  # half the FLOPs plus the TP collectives
 
 
+@pytest.mark.parametrize("flash", [False, True])
+def test_selective_recomputation_drops_the_attention_term_and_full_keeps_layer_inputs(flash):
+    """Korthikanti et al.: selective leaves s b h 34 / t bytes (bf16, f = 4h); full keeps
+    each layer's input, 2 s b h / t with sequence parallel."""
+    m, s, b, t = GPT_9B, 3072, 2, 4
+    h, a = m.hidden_size, m.num_attention_heads
+    training = TrainingConfig(s, b, flash_attention=flash)
+    none, sel, full = (activation_sizes(m, training, t, b, kind)
+                       for kind in ("none", "selective", "full"))
+    attention = 4 * a * s * b / t if flash else 5 * a * s * s * b / t
+    assert none.layer - sel.layer == pytest.approx(attention)
+    assert sel.layer == pytest.approx(34 * s * b * h / t)
+    assert full.layer == pytest.approx(2 * s * b * h / t)
+    assert full.transient == pytest.approx(none.layer - full.layer)
+    assert none.wgrad == sel.wgrad == full.wgrad  # W's inputs and gradients are kept either way
+    if not flash:  # the scores dwarf the MLP half: the replay outlives what B freed before it
+        assert 0 < sel.transient < attention <= sel.transient_split
+
+
+def test_recomputation_adds_the_replayed_forward_to_b():
+    cluster, s, b = ClusterConfig(8, 80, mfu=0.5), 3072, 1
+    evaluator = Evaluator(GPT_9B, TrainingConfig(s, 16), cluster)
+    none, sel, full = (evaluator.times(1, b, kind).layer for kind in ("none", "selective", "full"))
+    linear, attention = layer_flops(GPT_9B, s, b)
+    assert full.backward == pytest.approx(none.backward + none.forward)
+    assert sel.backward == pytest.approx(none.backward + none.forward * attention
+                                         / (linear + attention))
+    assert sel.forward == full.forward == none.forward and sel.weight == none.weight
+
+
+def test_a_recomputing_bw_holds_the_replay_on_top_of_its_level():
+    """1F1B's last rank runs F, BW per microbatch: the peak is one microbatch plus a replay."""
+    schedule = build_schedule("1f1b", 2, 4)
+    chunks = [[ChunkBytes(10.0, 0.0, transient=7.0)], [ChunkBytes(10.0, 0.0, transient=7.0)]]
+    assert peak_activation_bytes(schedule, chunks)[1] == pytest.approx(17.0)
+
+
+def test_plan_ranks_1f1b_r_beside_the_v_schedules_at_the_papers_long_sequences():
+    """The issue's case: gpt-98.5b on 40 GPUs at seq 16384: 1F1B fits nowhere, 1F1B-R (the
+    paper's baseline) and V schedules do, and both are ranked."""
+    big = load_model_config(MODELS / "gpt-98.5b.yaml")
+    result = plan(big, TrainingConfig(16384, 160), ClusterConfig(40, 80.0),
+                  SearchSpace(schedules=("1f1b", "v-half", "auto"), micro_batch_sizes=(1,),
+                              auto_candidates=1))
+    labels = {r.layout.label for r in result.feasible}
+    assert "1f1b-r" in labels and "auto" in labels and "1f1b" not in labels
+    assert all(r.layout.recompute == "full" for r in result.feasible
+               if r.layout.label == "1f1b-r")
+    table = format_table(result)
+    assert "speed-up vs the best 1f1b-r" in table and "-r: full activation recomputation" in table
+
+
 # -- the planner ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt9_plan():
@@ -156,7 +208,7 @@ def test_plan_ranks_feasible_rows_fastest_first(gpt9_plan):
 
 
 def test_v_half_halves_the_first_ranks_activations_of_1f1b(gpt9_plan):
-    by = {(r.layout.schedule, r.layout.dp, r.layout.tp, r.layout.pp, r.layout.micro_batch_size): r
+    by = {(r.layout.label, r.layout.dp, r.layout.tp, r.layout.pp, r.layout.micro_batch_size): r
           for r in gpt9_plan.predictions if r.activation_bytes_per_rank}
     one, half = by[("1f1b", 2, 1, 8, 1)], by[("v-half", 2, 1, 8, 1)]
     assert half.activation_bytes_per_rank[0] < 0.7 * one.activation_bytes_per_rank[0]
@@ -239,7 +291,8 @@ def test_cli_prints_the_ranked_table_and_writes_the_csv(tmp_path, capsys):
     assert code == 0
     assert "tok/s/GPU" in out and f"wrote {out_csv}" in out
     rows = list(csv.DictReader(out_csv.open()))
-    assert {r["schedule"] for r in rows} <= {"1f1b", "v-half", "none"}
+    assert {r["schedule"] for r in rows} == {"1f1b", "1f1b-r", "v-half", "none", "none-r"}
+    assert {r["recompute"] for r in rows} == {"none", "full"}
 
 
 @pytest.mark.parametrize("changes,needle", [

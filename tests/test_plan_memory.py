@@ -44,13 +44,14 @@ def _measured(world, schedules, microbatches, tp=1, sequence_parallel=False, dro
     return out
 
 
-def _predicted(name, pp, microbatches, tp=1, sequence_parallel=False, dropout=False):
+def _predicted(name, pp, microbatches, tp=1, sequence_parallel=False, dropout=False,
+               recompute="none"):
     training = TrainingConfig(MODEL.seq_length, MICRO_BATCH * microbatches, precision="fp32",
                               flash_attention=False, sequence_parallel=sequence_parallel,
                               distributed_optimizer=False, dropout=dropout,
                               dropout_mask_bytes=4)  # CPU torch keeps fp32 dropout masks
     evaluator = Evaluator(MODEL, training, ClusterConfig(pp * tp, 1000.0))
-    row = evaluator.evaluate(GridPoint(1, tp, pp, MICRO_BATCH, microbatches), name)
+    row = evaluator.evaluate(GridPoint(1, tp, pp, MICRO_BATCH, microbatches), name, recompute)
     assert row.feasible, row.reason
     return row.activation_bytes_per_rank
 
@@ -76,6 +77,30 @@ def test_pp4_activation_bytes_per_rank_match_megatron(pp4_dropout, name):
 def test_pp4_v_half_holds_less_than_1f1b_on_rank_0(pp4_dropout):
     """What the planner relies on, measured: the V halves the first rank's memory."""
     assert pp4_dropout["v-half"][0] < 0.85 * pp4_dropout["1f1b"][0]
+
+
+RECOMPUTED = (("1f1b", "full"), ("1f1b", "selective"), ("v-half", "selective"))
+
+
+@pytest.fixture(scope="module")
+def pp4_recomputed():
+    """PP = 4, 8 microbatches, dropout 0.1, megatron's recomputation (the paper's 1F1B-R and
+    selective recomputation of the attention core)."""
+    return _measured(4, RECOMPUTED, 8, dropout=0.1)
+
+
+@pytest.mark.parametrize("name, recompute", RECOMPUTED)
+def test_recomputation_bytes_per_rank_match_megatron(pp4_recomputed, name, recompute):
+    """Kept layer inputs (full) or everything but the attention core (selective), plus the
+    replay while a B runs: under the B/W split the replay comes after B has added the MLP's
+    output gradients for W, which the fused backward frees instead."""
+    _check(pp4_recomputed[(name, recompute)],
+           _predicted(name, 4, 8, dropout=True, recompute=recompute))
+
+
+def test_full_recomputation_keeps_a_fraction_of_1f1b(pp4_dropout, pp4_recomputed):
+    """What 1F1B-R is for, measured: it keeps far less than 1F1B on every rank."""
+    assert all(r < 0.5 * n for r, n in zip(pp4_recomputed[("1f1b", "full")], pp4_dropout["1f1b"]))
 
 
 def test_tp2_sequence_parallel_activation_bytes_match_megatron():

@@ -1,4 +1,5 @@
-"""``vshape grid | collect``: run the paper's grid search on a cluster and read back the results.
+"""``vshape grid | collect | paper``: run the paper's grid search on a cluster, read back the
+results, and predict them beforehand.
 
 Output contracts: ``grid`` writes ``commands.txt`` (line i = point i = slurm array task i),
 ``points.csv`` (columns ``experiments.commands.MANIFEST_COLUMNS``) and, with ``--format slurm``,
@@ -18,6 +19,8 @@ from ..experiments.grid_file import load_grid
 __all__ = ["register"]
 
 _PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+_PAPER_GRIDS = tuple(f"configs/grid/gpt-{size}.yaml" for size in ("9.6b", "21b", "38.5b", "98.5b"))
+"""The paper's four models on their GPU counts."""
 _MAX_ARRAY = 1000
 """Array task ids a default slurm accepts (MaxArraySize 1001 allows 0..1000; we split at 1000)."""
 
@@ -45,6 +48,20 @@ def register(sub) -> None:
     col.add_argument("--warmup", type=int, default=3,
                      help="leave iterations 1..N out of the medians (default %(default)s)")
     col.set_defaults(handler=_collect)
+    paper = sub.add_parser("paper", help="predict the paper's grid search (docs/paper-reproduction.md)",
+                           description="Plan every grid file at each of its sequence lengths and "
+                                       "write the best configuration of each schedule family, "
+                                       "the best V's speed-up over 1F1B and 1F1B-R, and the "
+                                       "pure-pipeline comparison as markdown.")
+    paper.add_argument("grids", nargs="*", metavar="GRID.yaml", default=list(_PAPER_GRIDS),
+                       help="grid files (default: the paper's four models, configs/grid/)")
+    paper.add_argument("--seq-lengths", type=int, nargs="+", metavar="S",
+                       help="only these sequence lengths (default: each grid's)")
+    paper.add_argument("--auto-candidates", type=int, default=3, metavar="K",
+                       help="search auto at the K best points (default %(default)s)")
+    paper.add_argument("--output", "-o", default="docs/paper-reproduction.md",
+                       help="the markdown file to write (default %(default)s)")
+    paper.set_defaults(handler=_paper)
 
 
 def _summary(expansion: Expansion, source: str) -> None:
@@ -151,4 +168,37 @@ def _collect(args) -> int:
     if args.plot:
         drawn = plot_throughput_vs_memory(rows, args.plot)
         print(f"wrote {args.plot} ({drawn} runs with throughput and memory)")
+    return 0
+
+
+def _paper(args) -> int:
+    import shlex
+
+    from tqdm import tqdm
+
+    from ..experiments.predict import predict_case, render
+
+    grids = [load_grid(path) for path in args.grids]
+    for grid in grids:
+        bad = sorted(set(args.seq_lengths or ()) - set(grid.seq_lengths))
+        if bad:
+            raise ValueError(f"--seq-lengths {bad}: grid {grid.name} has only "
+                             f"{', '.join(map(str, grid.seq_lengths))}")
+    cases = [(g, s) for g in grids for s in g.seq_lengths
+             if not args.seq_lengths or s in args.seq_lengths]
+    results = [predict_case(g, s, args.auto_candidates)
+               for g, s in tqdm(cases, desc="planning", unit="case")]
+    command = " ".join(["vshape", "paper", *map(shlex.quote, args.grids)]
+                       + (["--seq-lengths", *map(str, args.seq_lengths)] if args.seq_lengths
+                          else []) + ["--output", shlex.quote(args.output)])
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(results, command))
+    for case in results:
+        gains = [f"x{g:.3f} over the best {name}" for name, g in
+                 (("1F1B", case.gain_over("1f1b")), ("1F1B-R", case.gain_over("1f1b-r")))
+                 if g is not None]
+        print(f"{case.grid.model.name} seq {case.seq_length}: best V "
+              + (", ".join(gains) or "- (V or both baselines fit nowhere)"))
+    print(f"wrote {out}")
     return 0

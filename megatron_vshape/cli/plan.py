@@ -14,6 +14,7 @@ from ..plan.candidates import SearchSpace
 from ..plan.model import load_model_config
 from ..plan.planner import plan
 from ..plan.profile_file import load_profile
+from ..plan.recompute import RECOMPUTE
 from ..plan.settings import PRECISIONS, ClusterConfig, TrainingConfig
 from ..plan.table import format_csv, format_table
 from ..schedule.registry import SCHEDULES
@@ -45,6 +46,10 @@ def register(sub) -> None:
     p.add_argument("--auto-candidates", type=int, default=SearchSpace().auto_candidates,
                    metavar="K", help="search auto only at the K best points of the fixed "
                                      "schedules (default %(default)s)")
+    p.add_argument("--recompute", nargs="+", default=list(RECOMPUTE), choices=RECOMPUTE,
+                   metavar="KIND", help="activation recomputation to plan: none, selective "
+                   "(attention core; rows NAME+sel, only without flash attention), full (rows "
+                   "1f1b-r, megatron's schedules only); default all")
     _add_training(p)
     _add_cluster(p)
     p.add_argument("--top", type=int, default=15, metavar="K", help="table rows (default 15)")
@@ -108,7 +113,8 @@ def _configs(args):
                         micro_batch_sizes=tuple(args.micro_batch_sizes),
                         tensor_parallel=tuple(args.tp) if args.tp else None,
                         pipeline_parallel=tuple(args.pp) if args.pp else None,
-                        auto_candidates=args.auto_candidates)
+                        auto_candidates=args.auto_candidates,
+                        recompute=tuple(args.recompute))
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     return model, training, cluster, space

@@ -83,6 +83,11 @@ def install_cpu_shims() -> None:
     mrandom.model_parallel_cuda_manual_seed = partial(_cpu_manual_seed, tracker)
     _rebind(mrandom, "get_cuda_rng_tracker")
     _rebind(mrandom, "model_parallel_cuda_manual_seed")
+    # 6. activation recomputation (CheckpointFunction) saves and restores the CUDA generator's
+    #    state around the replayed forward; on the CPU torch's own generator, which
+    #    _set_all_rng_states restores itself, is the only one.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
 def _cpu_manual_seed(tracker, seed, *args, **kwargs):

@@ -1,6 +1,6 @@
 """Which (DP, TP, PP, micro batch size) points a plan considers.
 
-TP stays inside a node and must divide the attention heads (and query groups); PP must leave
+TP stays inside a node (it divides the GPUs per node) and must divide the attention heads (and query groups); PP must leave
 every pipeline stage a layer; DP is what is left of the GPUs. A point runs
 global_batch / (DP x micro batch size) microbatches, and is skipped (and counted) when that is
 not a whole number.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..schedule.registry import SCHEDULES
 from .model import ModelConfig
+from .recompute import RECOMPUTE
 from .settings import ClusterConfig, TrainingConfig
 
 __all__ = ["SearchSpace", "GridPoint", "tensor_parallel_choices", "pipeline_parallel_choices",
@@ -45,8 +46,16 @@ class SearchSpace:
     auto_candidates: int = 3
     """``auto`` searches only at the best this many (DP, TP, PP, micro batch) points of the
     fixed schedules (``--auto-candidates``): each search takes up to seconds."""
+    recompute: tuple[str, ...] = RECOMPUTE
+    """Activation recomputation kinds to plan (``--recompute``; which schedules take which:
+    plan/recompute.py)."""
 
     def __post_init__(self) -> None:
+        bad = [r for r in self.recompute if r not in RECOMPUTE]
+        if bad or not self.recompute:
+            raise ValueError(f"--recompute: unknown {bad or 'none given'}; valid choices: "
+                             f"{', '.join(RECOMPUTE)}")
+        object.__setattr__(self, "recompute", tuple(dict.fromkeys(self.recompute)))
         unknown = [s for s in self.schedules if s not in SCHEDULES]
         if unknown or not self.schedules:
             raise ValueError(f"--schedules: unknown {unknown or 'none given'}; valid choices: "
@@ -74,13 +83,14 @@ class GridPoint:
 
 def tensor_parallel_choices(model: ModelConfig, cluster: ClusterConfig,
                             space: SearchSpace) -> tuple[int, ...]:
-    valid = tuple(t for t in range(1, min(cluster.gpus, cluster.gpus_per_node) + 1)
-                  if cluster.gpus % t == 0 and model.num_attention_heads % t == 0
-                  and model.query_groups % t == 0)
+    node = min(cluster.gpus, cluster.gpus_per_node)
+    valid = tuple(t for t in range(1, node + 1)
+                  if cluster.gpus % t == 0 and node % t == 0
+                  and model.num_attention_heads % t == 0 and model.query_groups % t == 0)
     return _chosen(space.tensor_parallel, valid, "--tp",
                    f"for {model.name} on {cluster.gpus} GPUs ({cluster.gpus_per_node} per node; "
-                   f"TP must divide the GPUs and the {model.num_attention_heads} heads and fit a "
-                   "node)")
+                   f"TP must divide the GPUs, the GPUs of a node and the "
+                   f"{model.num_attention_heads} heads)")
 
 
 def pipeline_parallel_choices(model: ModelConfig, cluster: ClusterConfig,

@@ -14,6 +14,10 @@ all-reduces without sequence parallel), four in B, and in W the two all-gathers 
 the inputs of the column-parallel linears under sequence parallel. Each moves
 (t-1)/t x e s b h bytes at the intra-node bandwidth.
 
+Recomputation (:mod:`.recompute`) replays forward work inside B, so for the simulator it is
+part of B's pass time: full adds the layer's F to B, selective the attention core's share of F
+(its FLOPs over the layer's forward FLOPs), with measured profiles as with the FLOP model.
+
 Pipeline hop: ``p2p_latency + e s b h / sp`` bytes at the inter-node bandwidth when the
 pipeline spans nodes (megatron orders ranks TP, then DP, then PP, so with more GPUs than a node
 some hop crosses), else at the intra-node bandwidth.
@@ -32,7 +36,7 @@ from .model import ModelConfig
 from .settings import ClusterConfig, TrainingConfig
 from .shares import ChunkShare
 
-__all__ = ["PassTimes", "PartTimes", "analytic_times", "layer_flops", "head_flops",
+__all__ = ["PassTimes", "PartTimes", "analytic_times", "with_recompute", "attention_share", "layer_flops", "head_flops",
            "p2p_seconds", "dp_seconds", "rank_costs", "model_flops_per_sample"]
 
 
@@ -109,6 +113,25 @@ def analytic_times(model: ModelConfig, training: TrainingConfig, cluster: Cluste
     embedding = PassTimes(hop if sp else 2 * hop, hop if sp else 0.0, 0.0)
     return PartTimes(layer, embedding, head,
                      f"analytic, {cluster.gpu_tflops:g} TFLOP/s x MFU {cluster.mfu:g}")
+
+
+def attention_share(model: ModelConfig, seq_length: int) -> float:
+    """The attention core's share of a layer's forward FLOPs (what selective recomputation
+    replays)."""
+    linear, attention = layer_flops(model, seq_length, 1)
+    return attention / (linear + attention)
+
+
+def with_recompute(times: PartTimes, recompute: str, share: float) -> PartTimes:
+    """``times`` with the replayed forward added to the layers' B: all of F under ``full``,
+    ``share`` of it (:func:`attention_share`) under ``selective``."""
+    replay = {"none": 0.0, "selective": share, "full": 1.0}[recompute]
+    if not replay:
+        return times
+    layer = times.layer
+    return PartTimes(PassTimes(layer.forward, layer.backward + replay * layer.forward,
+                               layer.weight),
+                     times.embedding, times.head, f"{times.source}, {recompute} recomputation")
 
 
 def p2p_seconds(training: TrainingConfig, cluster: ClusterConfig, hidden: int, tp: int,

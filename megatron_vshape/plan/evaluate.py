@@ -21,8 +21,8 @@ from ..schedule import Costs, MemoryModel, ScheduleError, build_schedule, simula
 from ..schedule.model.placement import Layout as StageLayout, Placement
 from ..schedule.search import InfeasibleMemoryError, memory_limit_units, search
 from .candidates import NO_PIPELINE, GridPoint
-from .cost import (PartTimes, analytic_times, dp_seconds, model_flops_per_sample, p2p_seconds,
-                   rank_costs)
+from .cost import (PartTimes, analytic_times, attention_share, dp_seconds,
+                   model_flops_per_sample, p2p_seconds, rank_costs, with_recompute)
 from .memory import (ChunkBytes, activation_sizes, chunk_bytes, peak_activation_bytes,
                      static_memory)
 from .model import ModelConfig
@@ -108,11 +108,12 @@ class Evaluator:
         self._simulations: dict = {}
 
     # -- the parts ---------------------------------------------------------------------------
-    def times(self, tp: int, micro_batch_size: int) -> PartTimes:
+    def times(self, tp: int, micro_batch_size: int, recompute: str = "none") -> PartTimes:
         analytic = analytic_times(self.model, self.training, self.cluster, tp, micro_batch_size)
-        if self.profile is None:
-            return analytic
-        return self.profile.times(tp, micro_batch_size, analytic)
+        times = analytic if self.profile is None else \
+            self.profile.times(tp, micro_batch_size, analytic)
+        return with_recompute(times, recompute,
+                              attention_share(self.model, self.training.seq_length))
 
     def hop(self, point: GridPoint) -> float:
         if self.profile is not None and self.profile.p2p_seconds is not None and point.pp > 1:
@@ -146,20 +147,23 @@ class Evaluator:
         makespan, bubble = self._simulations[key]
         return makespan * scale, bubble
 
-    def _ranks(self, point: GridPoint, shares, single: bool) -> _Rank:
-        sizes = activation_sizes(self.model, self.training, point.tp, point.micro_batch_size)
+    def _ranks(self, point: GridPoint, shares, single: bool, recompute: str = "none") -> _Rank:
+        sizes = activation_sizes(self.model, self.training, point.tp, point.micro_batch_size,
+                                 recompute)
         chunks = tuple(tuple(chunk_bytes(c, sizes) for c in rank) for rank in shares)
         static = tuple(static_memory(self.model, self.training, rank, point.tp, point.dp, single)
                        for rank in shares)
         return _Rank(chunks, static, shares)
 
     # -- one configuration --------------------------------------------------------------------
-    def evaluate(self, point: GridPoint, name: str) -> Prediction:
-        """The prediction for ``point`` under the fixed schedule ``name`` (at PP 1: none)."""
+    def evaluate(self, point: GridPoint, name: str, recompute: str = "none") -> Prediction:
+        """The prediction for ``point`` under the fixed schedule ``name`` (at PP 1: none) with
+        ``recompute`` (none, selective, full)."""
         if point.pp == 1:
             return self._no_pipeline(point, ParallelLayout(
-                point.dp, point.tp, 1, point.micro_batch_size, NO_PIPELINE))
-        layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, name)
+                point.dp, point.tp, 1, point.micro_batch_size, NO_PIPELINE, recompute))
+        layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, name,
+                                recompute)
         probe = self.schedule(name, point.pp, min(point.microbatches, _PROBE * point.pp))
         if isinstance(probe, ScheduleError):
             return Prediction(layout, point.microbatches, False, str(probe), "schedule")
@@ -167,7 +171,7 @@ class Evaluator:
             shares = rank_shares(self.model, probe.placement)
         except ValueError as err:
             return Prediction(layout, point.microbatches, False, str(err), "layers")
-        ranks = self._ranks(point, shares, single=False)
+        ranks = self._ranks(point, shares, single=False, recompute=recompute)
         peaks = peak_activation_bytes(probe, ranks.chunks)
         if max(s.total + a for s, a in zip(ranks.static, peaks)) > self.cluster.budget_bytes:
             return self._memory_failure(point, layout, ranks, peaks,
@@ -217,8 +221,9 @@ class Evaluator:
     # -- helpers ------------------------------------------------------------------------------
     def _no_pipeline(self, point: GridPoint, layout: ParallelLayout) -> Prediction:
         shares = whole_model_share(self.model)
-        ranks = self._ranks(point, shares, single=True)
-        peaks = (ranks.chunks[0][0].forward,)  # one microbatch at a time (fused backward)
+        ranks = self._ranks(point, shares, single=True, recompute=layout.recompute)
+        chunk = ranks.chunks[0][0]
+        peaks = (chunk.forward + chunk.transient,)  # one microbatch at a time (fused backward)
 
         def run(costs: Costs) -> tuple[float, float]:
             per = costs.forward[0] + costs.backward[0] + costs.weight[0]
@@ -245,7 +250,7 @@ class Evaluator:
             return self._memory_failure(point, layout, ranks, peaks,
                                         "parameters, optimizer state and activations")
         r = max(range(len(totals)), key=totals.__getitem__)
-        times = self.times(point.tp, point.micro_batch_size)
+        times = self.times(point.tp, point.micro_batch_size, layout.recompute)
         hop = self.hop(point)
         makespan, bubble = run(rank_costs(ranks.shares, times, hop))
         params = max(s.parameters for s in ranks.static)

@@ -24,6 +24,14 @@ keeps nothing for W. A rank's peak is found by walking its schedule in order
 (:func:`peak_activation_bytes`): F adds a chunk's activations, B replaces them by what W
 needs, W frees that, a fused BW frees everything.
 
+Recomputation (:mod:`.recompute`): ``selective`` drops the attention term (softmax output,
+its dropout mask and output; flash attention's statistics), ``full`` keeps only each layer's
+input, e sb h/sp; either way B replays what was dropped, so while a B runs, one layer's
+dropped bytes exist on top of the rank's level (``transient``), less what that backward has
+freed before the replay: the LM head's bytes on the last stage, and under selective the
+layer's bytes after the attention core (its MLP half; with small s they outweigh the scores
+and the transient vanishes).
+
 Parameters: mixed-precision Adam needs 2 (bf16 weight) + 4 (fp32 main gradient) + 12 (fp32
 master weight and two moments) bytes per parameter; the distributed optimizer divides the 12
 by DP. Column- and row-parallel matrices, column biases and the vocabulary are divided by TP;
@@ -55,6 +63,12 @@ class ActivationSizes:
     embedding: float
     head: float
     """Final layernorm, LM head and loss."""
+    transient: float = 0.0
+    """Recomputation: one layer's replayed bytes, alive while its fused backward runs, less
+    what that backward freed before the replay."""
+    transient_split: float = 0.0
+    """The same for B under the B/W split, which keeps the linear layers' inputs and output
+    gradients instead of freeing them."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,10 @@ class ChunkBytes:
     """Kept from F until B (or BW)."""
     wgrad: float
     """Kept from B until W."""
+    transient: float = 0.0
+    """Alive only while BW runs, on top of the level (recomputation)."""
+    transient_split: float = 0.0
+    """Alive only while B runs (B/W split), on top of the level."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +101,9 @@ class StaticMemory:
 
 
 def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
-                     micro_batch_size: int) -> ActivationSizes:
-    """The Korthikanti et al. terms of the module docstring, for one microbatch."""
+                     micro_batch_size: int, recompute: str = "none") -> ActivationSizes:
+    """The Korthikanti et al. terms of the module docstring, for one microbatch, under
+    ``recompute`` (none, selective or full)."""
     e, s, b = training.element_bytes, training.seq_length, micro_batch_size
     h, f, a = model.hidden_size, model.ffn, model.num_attention_heads
     kv = 2 * model.query_groups * model.head_dim
@@ -105,14 +124,35 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     ids = 2 * 8 * tokens  # int64 token and position ids
     embedding = ids + mask * tokens * h / sp
     head = 2 * e * tokens * h / sp + 4 * tokens * model.vocab_size / tp + 9 * tokens
-    return ActivationSizes(split + replicated + masks + attention, inputs + output_grads,
-                           embedding, head)
+    layer = split + replicated + masks + attention
+    wgrad = inputs + output_grads
+    if recompute == "selective":
+        # the replay runs after B went through the layer's MLP half: a fused backward has
+        # freed that half by then; a split B keeps its linear inputs and adds their output
+        # gradients (and the attention projection's) for W
+        freed = e * tokens * (mlp_in / tp + h / sp) + masks
+        after = freed + e * tokens * (h + f) / tp + e * tokens * h / sp
+        kept = e * tokens * (mlp_in / tp + 2 * h)
+        return ActivationSizes(layer - attention, wgrad, embedding, head,
+                               transient=max(0.0, attention - after),
+                               transient_split=max(0.0, attention - freed + kept))
+    if recompute == "full":
+        kept = e * tokens * h / sp
+        return ActivationSizes(kept, wgrad, embedding, head, transient=layer - kept,
+                               transient_split=layer - kept)
+    return ActivationSizes(layer, wgrad, embedding, head)
 
 
 def chunk_bytes(share: ChunkShare, sizes: ActivationSizes) -> ChunkBytes:
+    """One chunk's bytes; its B replays the last layer after the LM head's backward has freed
+    the head's bytes."""
     forward = (share.layers * sizes.layer + share.embedding * sizes.embedding
                + share.head * sizes.head)
-    return ChunkBytes(forward, share.layers * sizes.wgrad)
+    if not share.layers:
+        return ChunkBytes(forward, 0.0)
+    head = share.head * sizes.head
+    return ChunkBytes(forward, share.layers * sizes.wgrad, max(0.0, sizes.transient - head),
+                      max(0.0, sizes.transient_split - head))
 
 
 def peak_activation_bytes(schedule: Schedule, chunks: Sequence[Sequence[ChunkBytes]]
@@ -120,13 +160,18 @@ def peak_activation_bytes(schedule: Schedule, chunks: Sequence[Sequence[ChunkByt
     """Per rank, the most bytes kept for backward at once while running its order.
 
     ``chunks[rank][chunk]``: that chunk's :class:`ChunkBytes`. B can also grow memory (with
-    large TP the gathered output gradients W keeps outweigh what B frees).
+    large TP the gathered output gradients W keeps outweigh what B frees); under
+    recomputation a B (or BW) briefly holds one layer's replayed bytes on top of the level.
     """
     peaks = []
     for rank in range(schedule.ranks):
         level = peak = 0.0
         for action in schedule.compute_actions(rank):
             chunk = chunks[rank][schedule.placement.locate(action.stage)[1]]
+            if action.kind is PassKind.B:
+                peak = max(peak, level + chunk.transient_split)
+            elif action.kind is PassKind.BW:
+                peak = max(peak, level + chunk.transient)
             if action.kind is PassKind.F:
                 level += chunk.forward
             elif action.kind is PassKind.B:

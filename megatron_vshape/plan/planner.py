@@ -1,7 +1,8 @@
 """The planner: evaluate every configuration, rank the ones that fit (``vshape plan``).
 
-For every (DP, TP, PP, micro batch size) point of the :class:`~.candidates.SearchSpace` and
-every fixed schedule, :class:`~.evaluate.Evaluator` predicts memory and time. ``auto`` (the
+For every (DP, TP, PP, micro batch size) point of the :class:`~.candidates.SearchSpace`, every
+fixed schedule and each recomputation kind that schedule takes (:mod:`.recompute`: ``1f1b-r``,
+``v-half+sel``), :class:`~.evaluate.Evaluator` predicts memory and time. ``auto`` (the
 paper's adaptive scheduler, section 4) is searched only at the ``auto_candidates`` best points:
 a search costs up to seconds where a fixed schedule costs milliseconds, and it can only help
 where the pipeline, not TP or DP, is the bottleneck. The result ranks the feasible rows by
@@ -18,6 +19,7 @@ from .candidates import NO_PIPELINE, GridPoint, SearchSpace, grid_points
 from .evaluate import Evaluator, Prediction
 from .model import ModelConfig
 from .profile_file import MeasuredProfile
+from .recompute import recompute_choices
 from .settings import GIB, ClusterConfig, TrainingConfig
 
 __all__ = ["PlanResult", "plan"]
@@ -77,7 +79,7 @@ class PlanResult:
 
 
 def _rank_key(p: Prediction):
-    return (-p.tokens_per_second_per_gpu, p.peak_bytes, p.layout.schedule, p.layout.pp,
+    return (-p.tokens_per_second_per_gpu, p.peak_bytes, p.layout.label, p.layout.pp,
             p.layout.tp, p.layout.micro_batch_size)
 
 
@@ -91,7 +93,7 @@ def _auto_points(evaluator: Evaluator, points: list[GridPoint], rows: list[Predi
     if fixed:
         for row in rows:
             key = _point_of(row)
-            if key in by_point:
+            if key in by_point and row.layout.recompute == "none":  # auto recomputes nothing
                 by_point[key].append(row)
     else:
         for point in pipelined:
@@ -122,10 +124,12 @@ def plan(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
     rows: list[Prediction] = []
     for point in points:
         names = [NO_PIPELINE] if point.pp == 1 else [s for s in space.schedules if s != "auto"]
-        rows.extend(evaluator.evaluate(point, name) for name in names)
+        rows.extend(evaluator.evaluate(point, name, kind) for name in names
+                    for kind in recompute_choices(name, space.recompute,
+                                                  training.flash_attention))
     log.info("evaluated %d fixed-schedule configurations in %.2f s", len(rows),
              time.perf_counter() - started)
-    if "auto" in space.schedules and space.auto_candidates:
+    if "auto" in space.schedules and space.auto_candidates and "none" in space.recompute:
         for point in _auto_points(evaluator, points, rows, space):
             rows.append(evaluator.evaluate_auto(point))
     feasible = sorted((r for r in rows if r.feasible), key=_rank_key)

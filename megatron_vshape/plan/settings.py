@@ -157,8 +157,15 @@ class ParallelLayout:
     """Samples per microbatch (b)."""
     schedule: str
     """A schedule of :data:`megatron_vshape.schedule.SCHEDULES`, or ``none`` when pp is 1."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective or full (plan/recompute.py)."""
 
     def __post_init__(self) -> None:
+        from .recompute import RECOMPUTE
+
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"layout: recompute (--recompute) must be one of "
+                             f"{', '.join(RECOMPUTE)}, got {self.recompute!r}")
         flags = {"dp": "--gpus", "tp": "--tp", "pp": "--pp",
                  "micro_batch_size": "--micro-batch-sizes"}
         for name, flag in flags.items():
@@ -167,3 +174,10 @@ class ParallelLayout:
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def label(self) -> str:
+        """The row's name: the schedule and its recomputation (``1f1b-r``, ``v-half+sel``)."""
+        from .recompute import label
+
+        return label(self.schedule, self.recompute)

@@ -2,7 +2,8 @@
 CLI prints or writes them.
 
 CSV columns (:data:`CSV_COLUMNS`): one row per evaluated configuration, feasible ones first in
-ranked order (``place`` 1, 2, ...); memory in GiB on the fullest pipeline rank
+ranked order (``place`` 1, 2, ...); ``schedule`` is the row's name with its recomputation
+(``1f1b-r``, ``v-half+sel``; plan/recompute.py), ``recompute`` the kind; memory in GiB on the fullest pipeline rank
 (``peak_rank``), times in seconds; infeasible rows carry ``feasible=False`` and the ``reason``.
 """
 from __future__ import annotations
@@ -15,10 +16,10 @@ from .evaluate import Prediction
 from .planner import PlanResult
 from .settings import GIB
 
-__all__ = ["CSV_COLUMNS", "format_table", "format_csv", "csv_rows"]
+__all__ = ["CSV_COLUMNS", "format_table", "format_csv", "csv_rows", "best_per_schedule"]
 
 CSV_COLUMNS = (
-    "place", "schedule", "dp", "tp", "pp", "micro_batch_size", "microbatches", "feasible",
+    "place", "schedule", "recompute", "dp", "tp", "pp", "micro_batch_size", "microbatches", "feasible",
     "tokens_per_s_per_gpu", "tflops_per_gpu", "iteration_s", "bubble_rate", "dp_comm_s",
     "p2p_hop_s", "peak_gib", "activations_gib", "weights_gib", "gradients_gib", "optimizer_gib",
     "dominant", "peak_rank", "activations_gib_per_rank", "costs", "description", "reason",
@@ -31,7 +32,8 @@ def csv_rows(result: PlanResult) -> list[dict]:
     for i, p in enumerate(result.predictions):
         lay = p.layout
         row = {
-            "place": i + 1 if p.feasible else "", "schedule": lay.schedule, "dp": lay.dp,
+            "place": i + 1 if p.feasible else "", "schedule": lay.label,
+            "recompute": lay.recompute, "dp": lay.dp,
             "tp": lay.tp, "pp": lay.pp, "micro_batch_size": lay.micro_batch_size,
             "microbatches": p.microbatches, "feasible": p.feasible,
             "tokens_per_s_per_gpu": round(p.tokens_per_second_per_gpu, 1) if p.feasible else "",
@@ -86,7 +88,7 @@ def _header(result: PlanResult) -> list[str]:
     return lines
 
 
-_COLUMNS = (("#", 3), ("schedule", 16), ("DP", 3), ("TP", 3), ("PP", 3), ("mbs", 4), ("m", 5),
+_COLUMNS = (("#", 3), ("schedule", 18), ("DP", 3), ("TP", 3), ("PP", 3), ("mbs", 4), ("m", 5),
             ("tok/s/GPU", 10), ("TFLOP/s", 8), ("iter s", 8), ("bubble", 7), ("peak GiB", 9),
             ("act", 6), ("w+g", 6), ("optim", 6), ("dominant", 12))
 
@@ -101,12 +103,24 @@ def _line(values) -> str:
 
 def _row(i: int, p: Prediction) -> str:
     lay = p.layout
-    return _line((i, lay.schedule, lay.dp, lay.tp, lay.pp, lay.micro_batch_size, p.microbatches,
+    return _line((i, lay.label, lay.dp, lay.tp, lay.pp, lay.micro_batch_size, p.microbatches,
                   f"{p.tokens_per_second_per_gpu:.0f}", f"{p.tflops_per_gpu:.0f}",
                   f"{p.iteration_seconds:.3f}", f"{p.bubble_rate:.3f}",
                   f"{p.peak_bytes / GIB:.1f}", f"{p.activation_bytes / GIB:.1f}",
                   f"{(p.weight_bytes + p.gradient_bytes) / GIB:.1f}",
                   f"{p.optimizer_bytes / GIB:.1f}", p.dominant))
+
+
+_BASELINES = ("1f1b", "1f1b-r")
+"""The rows the others' speed-ups are against: megatron's 1F1B, and 1F1B-R, the paper's."""
+
+
+def best_per_schedule(result: PlanResult) -> dict[str, tuple[int, Prediction]]:
+    """Row label -> (place, fastest feasible row of that label)."""
+    best: dict[str, tuple[int, Prediction]] = {}
+    for i, p in enumerate(result.feasible):
+        best.setdefault(p.layout.label, (i + 1, p))
+    return best
 
 
 def format_table(result: PlanResult, top: int = 15) -> str:
@@ -120,15 +134,14 @@ def format_table(result: PlanResult, top: int = 15) -> str:
     lines.append("-" * len(lines[-1]))
     for i, p in enumerate(feasible[:top]):
         lines.append(_row(i + 1, p))
-    best: dict[str, tuple[int, Prediction]] = {}
-    for i, p in enumerate(feasible):
-        best.setdefault(p.layout.schedule, (i + 1, p))
-    base = best.get("1f1b")
-    lines += ["", "best per schedule" + (" (speed-up vs the best 1f1b)" if base else "") + ":"]
+    best = best_per_schedule(result)
+    bases = [name for name in _BASELINES if name in best]
+    lines += ["", "best per schedule" + (f" (speed-up vs the best {' / '.join(bases)})"
+                                         if bases else "") + ":"]
     for name, (i, p) in sorted(best.items(), key=lambda kv: kv[1][0]):
-        gain = (f"  x{p.tokens_per_second_per_gpu / base[1].tokens_per_second_per_gpu:.3f}"
-                if base else "")
-        lines.append(_row(i, p) + gain)
+        gain = " ".join(f"x{p.tokens_per_second_per_gpu / best[b][1].tokens_per_second_per_gpu:.3f}"
+                        for b in bases)
+        lines.append(_row(i, p) + ("  " + gain if gain else ""))
     lines.append("")
     lines.append("memory on the fullest GPU: act = activations kept for backward at the "
                  "schedule's peak, w+g = bf16/fp32 weights + fp32 main gradients, optim = Adam "
@@ -136,4 +149,7 @@ def format_table(result: PlanResult, top: int = 15) -> str:
                             result.training.distributed_optimizer else ""))
     if any(p.layout.schedule == NO_PIPELINE for p in feasible):
         lines.append(f"schedule {NO_PIPELINE}: PP = 1, gradient accumulation, no pipeline")
+    if any(p.layout.recompute != "none" for p in feasible):
+        lines.append("-r: full activation recomputation (each layer keeps its input, B replays "
+                     "its forward; the paper's 1F1B-R); +sel: selective (the attention core)")
     return "\n".join(lines)

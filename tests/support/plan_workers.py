@@ -24,12 +24,19 @@ def _batches(count, micro_batch_size, seq_length, vocab_size, step):
     return out
 
 
-def _model_config(model, pp, tp, sequence_parallel, dropout):
+_RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
+              "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                       "recompute_num_layers": 1}}
+"""The planner's recomputation kinds as megatron's TransformerConfig settings (Megatron-LM's
+--recompute-* flags of the paper's 1F1B-R; selective recomputes the attention core)."""
+
+
+def _model_config(model, pp, tp, sequence_parallel, dropout, recompute="none"):
     """megatron's TransformerConfig for a planner ModelConfig (fp32, local spec)."""
     return gpt_config(model.num_layers, pp, tp=tp, sequence_parallel=sequence_parallel,
                       hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                       ffn_hidden_size=model.ffn, num_query_groups=model.num_query_groups,
-                      hidden_dropout=dropout, attention_dropout=dropout)
+                      hidden_dropout=dropout, attention_dropout=dropout, **_RECOMPUTE[recompute])
 
 
 def _provider(model, seq_length):
@@ -44,14 +51,14 @@ def _provider(model, seq_length):
                    model.untie_embeddings_and_output_weights)
 
 
-def _chunks(schedule, pp, tp, model, seq_length, sequence_parallel, dropout):
+def _chunks(schedule, pp, tp, model, seq_length, sequence_parallel, dropout, recompute):
     """This rank's model chunks and forward-backward function for ``schedule``."""
     from megatron.core import parallel_state as ps
 
     if sequence_parallel:
         allow_sequence_parallel_norms()
     provider = _provider(model, seq_length)
-    config = _model_config(model, pp, tp, sequence_parallel, dropout)
+    config = _model_config(model, pp, tp, sequence_parallel, dropout, recompute)
     if schedule == "1f1b":  # megatron's own 1F1B, the standard placement
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -68,14 +75,14 @@ def _chunks(schedule, pp, tp, model, seq_length, sequence_parallel, dropout):
 
 
 def _peak(schedule, pp, tp, model, microbatches, micro_batch_size, sequence_parallel, dropout,
-          steps):
+          steps, recompute="none"):
     """Peak bytes kept for backward on this rank under ``schedule``, the largest over
     ``steps`` training steps."""
     from megatron_vshape.megatron.wgrad import store_of
     from megatron_vshape.runtime.memory import ActivationTracker
 
     seq = model.seq_length
-    chunks, fb = _chunks(schedule, pp, tp, model, seq, sequence_parallel, dropout)
+    chunks, fb = _chunks(schedule, pp, tp, model, seq, sequence_parallel, dropout, recompute)
     tracker = ActivationTracker([p for c in chunks for p in c.parameters()])
     for chunk in chunks:
         store_of(chunk).tracker = tracker
@@ -99,13 +106,15 @@ def measure_peaks(rank, world, schedules, model, microbatches, micro_batch_size,
                   sequence_parallel=False, dropout=0.0, steps=2):
     """{schedule: (pipeline rank, tensor-parallel rank, peak activation bytes)} for a
     planner ``ModelConfig`` at its seq_length, on world / tp pipeline ranks; ``1f1b`` is
-    megatron's own schedule, the others the plugin's."""
+    megatron's own schedule, the others the plugin's. A schedule may be a (name, recompute)
+    pair (recompute: none, selective, full), the key of its result."""
     from megatron.core import parallel_state as ps
 
     out = {}
     for schedule in schedules:
-        peak = _peak(schedule, world // tp, tp, model, microbatches, micro_batch_size,
-                     sequence_parallel, dropout, steps)
+        name, recompute = schedule if isinstance(schedule, tuple) else (schedule, "none")
+        peak = _peak(name, world // tp, tp, model, microbatches, micro_batch_size,
+                     sequence_parallel, dropout, steps, recompute)
         out[schedule] = (ps.get_pipeline_model_parallel_rank(),
                          ps.get_tensor_model_parallel_rank(), peak)
         ps.destroy_model_parallel()
