@@ -5,7 +5,7 @@ uses them too). ``options`` switch on what Megatron-LM's training loop does on t
 megatron-core: ``per_token`` (pretrain_gpt's per-token loss, calculate_per_token_loss),
 ``relay`` (losses read on the last pipeline rank), ``timers`` (megatron's timers),
 ``param_sync`` (config.param_sync_func), ``replan_after`` / ``memory_limit`` (auto re-planned
-from measured costs).
+from measured costs), ``config`` (TransformerConfig fields both runs get, e.g. recomputation).
 """
 import time
 from functools import partial
@@ -109,7 +109,7 @@ def megatron_reference(rank, pp, num_layers, num_microbatches, steps, tied, ddp=
     options = options or {}
     config = gpt_config(num_layers, pp, tp=tp, sequence_parallel=sequence_parallel,
                         calculate_per_token_loss=bool(options.get("per_token")),
-                        **(reference_config or {}))
+                        **(reference_config or {}), **options.get("config", {}))
     pp_rank = ps.get_pipeline_model_parallel_rank()
     model = _gpt_provider()(config=config, pre_process=pp_rank == 0,
                             post_process=pp_rank == pp - 1,
@@ -132,7 +132,7 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
     options = options or {}
     per_token = bool(options.get("per_token"))
     config = gpt_config(num_layers, world, tp=tp, sequence_parallel=sequence_parallel,
-                        calculate_per_token_loss=per_token)
+                        calculate_per_token_loss=per_token, **options.get("config", {}))
     provider = partial(_gpt_provider(), share_embeddings_and_output_weights=tied)
     if schedule == "zb-1p":  # one chunk per rank, the standard placement, W deferred
         from megatron_vshape.megatron.wgrad import defer_weight_grads
@@ -141,7 +141,8 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
         ps.destroy_model_parallel()
         _setup(world, tp=tp)
         config = gpt_config(num_layers, world, tp=tp, sequence_parallel=sequence_parallel,
-                            calculate_per_token_loss=per_token, **(standard_config or {}))
+                            calculate_per_token_loss=per_token, **(standard_config or {}),
+                            **options.get("config", {}))
         r = ps.get_pipeline_model_parallel_rank()
         chunks = [provider(config=config, pre_process=r == 0, post_process=r == world - 1)]
         defer_weight_grads(chunks[0], WeightGradStore(), mark_for_ddp=ddp is not None)
