@@ -2,8 +2,8 @@
 
 Each module registers its own subcommands (``register(subparsers)``, each parser carrying its
 ``handler``): ``demo`` (the main job: a tiny GPT on CPU under every schedule), ``schedules``
-(simulate, render, export, compare, search, frontier), ``plan`` (the planner), ``experiments``
-(grid, collect).
+(simulate, render, export, compare, search, frontier), ``plan`` (the planner), ``profile``
+(measured costs for ``plan --profile``), ``experiments`` (grid, collect).
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import argparse
 import sys
 
 from ..schedule import ScheduleError
-from . import demo, experiments, plan, schedules
+from . import demo, experiments, plan, profile, schedules
 
 __all__ = ["main", "build_parser"]
 
-_MODULES = (demo, schedules, plan, experiments)
+_MODULES = (demo, schedules, plan, profile, experiments)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ Schedules depend only on (name, p, m) and makespans scale with the costs, so the
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -148,8 +149,16 @@ class Evaluator:
         return makespan * scale, bubble
 
     def _ranks(self, point: GridPoint, shares, single: bool, recompute: str = "none") -> _Rank:
+        """Per rank, its chunks' activation bytes and static memory. A profile's measured
+        ``backward_leftover`` replaces the formula's share of a layer B leaves for W (a ratio,
+        so it holds in any dtype); ``auto``'s memory model follows from it."""
         sizes = activation_sizes(self.model, self.training, point.tp, point.micro_batch_size,
                                  recompute)
+        leftover = None if self.profile is None else self.profile.backward_leftover
+        if leftover is not None:
+            whole = activation_sizes(self.model, self.training, point.tp,
+                                     point.micro_batch_size).layer
+            sizes = dataclasses.replace(sizes, wgrad=leftover * whole)
         chunks = tuple(tuple(chunk_bytes(c, sizes) for c in rank) for rank in shares)
         static = tuple(static_memory(self.model, self.training, rank, point.tp, point.dp, single)
                        for rank in shares)

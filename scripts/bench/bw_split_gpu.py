@@ -9,15 +9,16 @@ head, one GPU, TP = PP = 1) twice: once with megatron's own backward, once with 
 forward (F), fused backward (BW), input-gradient backward (B) and the deferred weight
 gradients (W), and prints one JSON line per case with ``split_overhead`` = (B + W) / BW - 1.
 It also measures with our ActivationTracker what a forward keeps for backward and what W still
-keeps after B (the linear layers' inputs and output gradients): the fraction B frees is why a
-V schedule's real memory lands below the paper's model (which frees at W). With Transformer
+keeps after B (the linear layers' inputs and output gradients), per layer: the fraction B frees
+is why a V schedule's real memory lands below the paper's model (which frees at W). The stack
+and its timing are megatron_vshape.megatron.profiling's; ``vshape profile`` writes the same
+split measurement (on CPU too) as a profile file for ``vshape plan --profile``. With Transformer
 Engine installed, ``--te`` runs the same on TE layers through their ``backward_dw``.
 The F, B, W per layer are the costs ``vshape search --costs`` and the planner take.
 """
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -34,81 +35,17 @@ def _init() -> None:
     model_parallel_cuda_manual_seed(1)
 
 
-def _stack(args, te: bool, split: bool):
-    """A GPTModel of only transformer layers (input set with set_input_tensor)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_vshape.megatron.wgrad import defer_weight_grads, with_te_delay_wgrad
-    from megatron_vshape.runtime import WeightGradStore
+def _measure(args, te: bool, split: bool):
+    """The library's layer stack and timing (megatron_vshape.megatron.profiling, what
+    ``vshape profile`` runs), in this process."""
+    from megatron_vshape.megatron.profiling import build_stack, time_stack
+    from megatron_vshape.plan.model import ModelConfig
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        ffn_hidden_size=4 * args.hidden, hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16, params_dtype=dtype,
-        pipeline_dtype=dtype)
-    spec = specs.get_gpt_layer_with_transformer_engine_spec() if te else \
-        specs.get_gpt_layer_local_spec()
-    if te and split:
-        config = with_te_delay_wgrad(config)
-    model = GPTModel(config, spec, vocab_size=128, max_sequence_length=args.seq,
-                     pre_process=False, post_process=False).cuda().to(dtype)  # as Float16Module
-    store = WeightGradStore()
-    if split and not te:
-        defer_weight_grads(model, store)
-    return model, store, dtype
-
-
-def _time(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
-def _measure(args, te: bool, split: bool) -> dict:
-    from megatron_vshape.megatron.wgrad import te_wgrad_modules
-    from megatron_vshape.runtime.memory import ActivationTracker
-
-    model, store, dtype = _stack(args, te, split)
-    tracker = ActivationTracker(list(model.parameters()))
-    store.tracker = tracker
-    te_modules = te_wgrad_modules(model) if split and te else []
-    times = {"F": [], "B": [], "W": [], "BW": []}
-    kept = {}
-    for i in range(args.warmup + args.iters):
-        x = torch.randn(args.seq, args.mbs, args.hidden, device="cuda", dtype=dtype,
-                        requires_grad=True)
-        dy = torch.randn_like(x)
-        model.set_input_tensor(x)
-        out = []
-        tracker.reset_peak()
-        with tracker.saved_tensors_hooks():
-            times["F"].append(_time(lambda: out.append(model(None, None, None))))
-        kept["after_forward"] = tracker.live
-        if not split:
-            times["BW"].append(_time(lambda: out[0].backward(dy)))
-        else:
-            def b_pass():
-                with store.collecting(i):
-                    out[0].backward(dy)
-                    for m in te_modules:
-                        store.defer(m.backward_dw)
-            times["B"].append(_time(b_pass))
-            del out[:]
-            kept["after_b"] = tracker.live
-            times["W"].append(_time(lambda: store.run(i)))
-        for p in model.parameters():
-            p.grad = None
-        if i < args.warmup:
-            for v in times.values():
-                v.clear()
-    per_layer = {k: statistics.median(v) / args.layers for k, v in times.items() if v}
-    return {"per_layer_ms": per_layer, "kept_bytes": kept}
+    model = ModelConfig("bench", num_layers=args.layers, hidden_size=args.hidden,
+                        num_attention_heads=args.heads, vocab_size=128, seq_length=args.seq)
+    stack = build_stack(model, args.seq, args.layers, dtype, "cuda", split=split, te=te)
+    return time_stack(stack, args.seq, args.mbs, args.iters, args.warmup, "cuda", dtype)
 
 
 def main() -> None:
@@ -128,18 +65,17 @@ def main() -> None:
     _init()
     fused = _measure(args, args.te, split=False)
     split = _measure(args, args.te, split=True)
-    f, bw = fused["per_layer_ms"]["F"], fused["per_layer_ms"]["BW"]
-    b, w = split["per_layer_ms"]["B"], split["per_layer_ms"]["W"]
+    f, bw = 1e3 * fused.seconds["F"], 1e3 * fused.seconds["BW"]
+    b, w = 1e3 * split.seconds["B"], 1e3 * split.seconds["W"]
     print(json.dumps({
         "device": torch.cuda.get_device_name(), "te": args.te, "layers": args.layers,
         "hidden": args.hidden, "seq": args.seq, "mbs": args.mbs, "dtype": args.dtype,
         "forward_ms": round(f, 4), "fused_backward_ms": round(bw, 4), "b_ms": round(b, 4),
         "w_ms": round(w, 4), "split_overhead": round((b + w) / bw - 1, 4),
         "costs_F_B_W": [1.0, round(b / f, 3), round(w / f, 3)],
-        "saved_bytes_after_forward": split["kept_bytes"]["after_forward"],
-        "kept_bytes_after_b": split["kept_bytes"]["after_b"],
-        "fraction_b_frees": round(1 - split["kept_bytes"]["after_b"]
-                                  / split["kept_bytes"]["after_forward"], 4),
+        "saved_bytes_per_layer": split.saved_bytes,
+        "kept_bytes_after_b_per_layer": split.kept_after_b,
+        "fraction_b_frees": round(1 - split.kept_after_b / split.saved_bytes, 4),
     }), flush=True)
     dist.destroy_process_group()
 
