@@ -5,14 +5,22 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_vshape.cli import main  # noqa: E402
+from megatron_vshape.cli import build_parser, main  # noqa: E402
+from megatron_vshape.cli.demo import _settings  # noqa: E402
 
 
 def test_demo_trains_the_same_model_under_every_schedule(tmp_path, capsys):
     """p = 2 keeps it short; every schedule's losses and gradients must equal megatron's own
-    1F1B (fp32, 1e-5; they come out bit-identical), auto must re-plan, pictures are written."""
-    code = main(["demo", "-p", "2", "-m", "4", "--steps", "2", "-o", str(tmp_path), "--json"])
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    1F1B (fp32, 1e-5; they come out bit-identical), auto must re-plan, pictures are written.
+
+    Emulated device time (default F, B, W = 40, 55.6, 14 ms per rank's share): each step must
+    take its simulated makespan within 10% (measured 1-3% on 2 cores: what the sleeps cannot
+    hide is host work and message latency, about 5-15 ms a step), so V-ZB's step is shorter
+    than 1F1B's (simulated 473 vs 548 ms here), which the CPU column does not show.
+    """
+    code = main(["demo", "-p", "2", "-m", "4", "--steps", "2", "-o", str(tmp_path)])
+    table = capsys.readouterr().out
+    rows = json.loads((tmp_path / "demo.json").read_text())
     assert code == 0
     assert [r["schedule"] for r in rows] == ["1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto"]
     for row in rows:
@@ -21,11 +29,33 @@ def test_demo_trains_the_same_model_under_every_schedule(tmp_path, capsys):
         # measured memory tracks the simulator's ratio (rank 0 also keeps logits and loss)
         assert row["peak_activation_vs_1f1b"] <= row["simulated_peak_vs_1f1b"] + 0.1
         assert 0 <= row["simulated_bubble"] < 1 and row["step_time_s"] > 0
-    auto = rows[-1]
-    assert len(auto["plans"]) == 2  # provisional, then re-planned from measured costs
-    for name in ("1f1b", "v-half", "auto"):
+        assert row["emulated_costs"] == pytest.approx([0.04, 0.0556, 0.014, 0.0])
+        assert abs(row["emulated_vs_simulated"] - 1) < 0.10, row
+        assert row["emulated_vs_simulated"] == pytest.approx(
+            row["emulated_step_time_s"] / row["simulated_makespan_s"])
+    by = {r["schedule"]: r for r in rows}
+    assert by["v-zb"]["simulated_makespan_s"] < 0.9 * by["1f1b"]["simulated_makespan_s"]
+    assert by["v-zb"]["emulated_step_time_s"] < by["1f1b"]["emulated_step_time_s"]
+    assert len(by["auto"]["plans"]) == 2  # provisional, then re-planned from measured costs
+    for name in ("1f1b", "v-half", "auto", "1f1b-emulated", "v-zb-emulated"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
-    assert json.loads((tmp_path / "demo.json").read_text()) == rows
+    assert "emulated device" in table and "not device time" in table
+    one_f_one_b = next(line for line in table.splitlines() if line.startswith("1f1b "))
+    assert one_f_one_b.count("*") == 1  # run by our runtime, which the footer says
+    assert "megatron's own 1F1B cannot be slowed per pass" in table
+
+
+@pytest.mark.parametrize("argv,emulate_ms", [([], 40.0), (["--emulate-ms", "25"], 25.0),
+                                             (["--no-emulate"], None)])
+def test_demo_emulation_settings(argv, emulate_ms):
+    settings, _ = _settings(build_parser().parse_args(["demo", *argv]))
+    assert settings.emulate_ms == emulate_ms
+    costs = settings.emulated_costs()
+    if emulate_ms is None:
+        assert costs is None
+    else:  # the H100's F : B : W
+        assert costs.as_list() == pytest.approx([emulate_ms / 1000 * r for r in (1, 1.39, 0.35)]
+                                                + [0.0])
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -33,6 +63,7 @@ def test_demo_trains_the_same_model_under_every_schedule(tmp_path, capsys):
     (["--memory-limit", "lots"], "--memory-limit must be a number with a unit"),
     (["--ranks", "1"], "--ranks must be >= 2"),
     (["--ranks", "8"], "lower --ranks"),
+    (["--emulate-ms", "0"], "--emulate-ms must be > 0 milliseconds"),
 ])
 def test_demo_bad_settings_fail_before_any_work(argv, needle, capsys):
     assert main(["demo", *argv]) == 2

@@ -1,13 +1,15 @@
 """``vshape demo``: the main job. A tiny megatron-core GPT on CPU gloo processes, every schedule.
 
 Prints one row per schedule (losses and gradients against megatron's own 1F1B, measured peak
-activation memory per rank, step time, simulated bubble) and writes each schedule's measured
-timeline as a picture, plus ``demo.json`` with the numbers.
+activation memory per rank, CPU step time and simulated bubble, then the step time with
+emulated device time next to the simulator's makespan for the same costs) and writes each
+schedule's measured timelines as pictures, plus ``demo.json`` with the numbers.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 __all__ = ["register"]
@@ -25,6 +27,11 @@ def register(sub) -> None:
                       help="comma-separated (default: all; 1f1b is always run as the reference)")
     demo.add_argument("--memory-limit", default="0.75",
                       help="auto's limit: fraction of 1F1B (default 0.75) or bytes (2MiB)")
+    demo.add_argument("--emulate-ms", type=float, default=40.0, metavar="F",
+                      help="emulated device time: F of one rank's layer share in ms, B and W by "
+                           "the H100 ratios 1 : 1.39 : 0.35 (default 40)")
+    demo.add_argument("--no-emulate", action="store_true",
+                      help="skip the emulated-device runs (CPU times only)")
     demo.add_argument("--output-dir", "-o", default="vshape-demo",
                       help="where timelines and demo.json go (default ./vshape-demo)")
     demo.add_argument("--json", action="store_true", help="one JSON object per schedule")
@@ -41,7 +48,8 @@ def _settings(args):
         raise ValueError(f"--schedules: {bad} unknown; valid choices: {', '.join(DEMO_SCHEDULES)}")
     MemoryLimit.parse(args.memory_limit, "--memory-limit")  # fail before any work
     kwargs = dict(ranks=args.ranks, microbatches=args.microbatches, steps=args.steps,
-                  memory_limit=args.memory_limit)
+                  memory_limit=args.memory_limit,
+                  emulate_ms=None if args.no_emulate else args.emulate_ms)
     if args.model:
         kwargs["model"] = _tiny_from_config(args.model)
     return DemoSettings(**kwargs), ["1f1b"] + [n for n in names if n != "1f1b"]
@@ -94,20 +102,47 @@ def _rows(settings, runs) -> list[dict]:
     rows = []
     for name, run in runs.items():
         schedule = run.last_schedule or build_schedule(name, settings.ranks, settings.microbatches)
+        loss_diff, grad_diff = _max_diffs((run, run.emulated), ref)
         rows.append({
             "schedule": name, "final_loss": sum(run.losses[-1]) / len(run.losses[-1]),
-            "max_loss_diff": max(abs(a - b) for got, want in zip(run.losses, ref.losses)
-                                 for a, b in zip(sorted(got), sorted(want))),
-            "max_grad_diff": max((g[k] - w[k]).abs().max().item()
-                                 for g, w in zip(run.grads, ref.grads) for k in w),
+            "max_loss_diff": loss_diff, "max_grad_diff": grad_diff,
             "peak_activation_bytes": run.peak_bytes,
             "peak_activation_vs_1f1b": max(run.peak_bytes) / base,
             "simulated_peak_vs_1f1b": simulate(schedule).peak_memory_vs_1f1b,
             "step_time_s": run.step_seconds,
             "simulated_bubble": simulate(schedule, costs).bubble_rate,
             "plans": [d for _, d in run.plans],
+            **_emulated_columns(settings, run.emulated),
         })
     return rows
+
+
+def _max_diffs(runs, ref) -> tuple[float, float]:
+    """Largest loss and gradient difference from ``ref`` over every step of ``runs`` (the CPU
+    run and the emulated one: both start from the same weights and data, step by step)."""
+    loss = grad = 0.0
+    for run in (r for r in runs if r is not None):
+        loss = max([loss] + [abs(a - b) for got, want in zip(run.losses, ref.losses)
+                             for a, b in zip(sorted(got), sorted(want))])
+        grad = max([grad] + [(g[k] - w[k]).abs().max().item()
+                             for g, w in zip(run.grads, ref.grads) for k in w])
+    return loss, grad
+
+
+def _emulated_columns(settings, emulated) -> dict:
+    """The emulated run's step time against the simulator's makespan of the schedule it ran,
+    for the costs it was slowed to (all None without emulated runs)."""
+    from ..schedule import simulate
+
+    if emulated is None:
+        return dict.fromkeys(("emulated_costs", "emulated_step_time_s", "simulated_makespan_s",
+                              "emulated_vs_simulated", "emulated_schedule"))
+    costs = settings.emulated_costs()
+    makespan = simulate(emulated.last_schedule, costs).makespan
+    return {"emulated_costs": costs.as_list(), "emulated_step_time_s": emulated.step_seconds,
+            "simulated_makespan_s": makespan,
+            "emulated_vs_simulated": emulated.step_seconds / makespan,
+            "emulated_schedule": emulated.last_schedule.description}
 
 
 def _measured_costs(settings, runs):
@@ -123,46 +158,101 @@ def _print_table(settings, rows, runs) -> None:
     print(f"tiny GPT ({m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}) on "
           f"{settings.ranks} gloo processes (CPU), {settings.microbatches} microbatches, "
           f"{settings.steps} SGD steps per schedule; reference: megatron-core's own 1F1B")
-    head = (f"{'schedule':<9}{'final loss':>11}{'|dloss|':>10}{'|dgrad|':>10}"
-            f"  {'peak activation KiB per rank':<30}{'vs 1F1B':>8}{'sim.':>6}{'step ms':>9}"
-            f"{'sim. bubble':>12}")
+    costs = settings.emulated_costs()
+    if costs is not None:
+        print(f"emulated device: F, B, W = {_ms(costs)} ms per rank's layer share (H100 ratios "
+              f"1 : 1.39 : 0.35), {settings.emulate_steps} more steps per schedule, each "
+              "schedule built for these costs")
+    peaks = [" ".join(f"{b / 1024:.0f}" for b in r["peak_activation_bytes"]) for r in rows]
+    width = max([30] + [len(p) + 2 for p in peaks])
+    left = (f"{'schedule':<9}{'final loss':>11}{'|dloss|':>10}{'|dgrad|':>10}  "
+            f"{'peak activation KiB per rank':<{width}}{'vs 1F1B':>8}{'sim.':>6}")
+    cpu = f"{'step ms':>9}{'sim. bubble':>12}"
+    emulated = f"{'step ms':>9}{'sim. ms':>9}{'ratio':>7}" if costs is not None else ""
+    groups = [" " * len(left), "CPU, real time".center(len(cpu))]
+    if emulated:
+        groups.append("emulated device".center(len(emulated)))
+    head = " |".join([left, cpu] + ([emulated] if emulated else []))
+    print(" |".join(groups).rstrip())
     print(head)
     print("-" * len(head))
-    for r in rows:
-        peaks = " ".join(f"{b / 1024:.0f}" for b in r["peak_activation_bytes"])
-        print(f"{r['schedule']:<9}{r['final_loss']:>11.5f}{r['max_loss_diff']:>10.1e}"
-              f"{r['max_grad_diff']:>10.1e}  {peaks:<30}{r['peak_activation_vs_1f1b']:>8.3f}"
-              f"{r['simulated_peak_vs_1f1b']:>6.2f}{1000 * r['step_time_s']:>9.1f}"
-              f"{r['simulated_bubble']:>12.3f}")
+    for r, peak in zip(rows, peaks):
+        line = (f"{r['schedule']:<9}{r['final_loss']:>11.5f}{r['max_loss_diff']:>10.1e}"
+                f"{r['max_grad_diff']:>10.1e}  {peak:<{width}}{r['peak_activation_vs_1f1b']:>8.3f}"
+                f"{r['simulated_peak_vs_1f1b']:>6.2f} |{1000 * r['step_time_s']:>9.1f}"
+                f"{r['simulated_bubble']:>12.3f}")
+        if r["emulated_step_time_s"] is not None:
+            mark = "*" if r["schedule"] == "1f1b" else " "
+            line += (f" |{1000 * r['emulated_step_time_s']:>8.1f}{mark}"
+                     f"{1000 * r['simulated_makespan_s']:>9.1f}{r['emulated_vs_simulated']:>7.3f}")
+        print(line)
+    _print_footer(settings, runs, emulated=costs is not None)
+
+
+def _print_footer(settings, runs, emulated: bool) -> None:
+    """What each column is; why the CPU step times are not device time."""
     auto = runs.get("auto")
     if auto is not None and auto.plans:
         print("auto ran: " + "; then ".join(f"{d} (from iteration {i})" for i, d in auto.plans))
-    print("|dloss|, |dgrad|: largest difference from 1F1B over all steps (fp32); 'sim.': the "
-          "simulator's peak ratio; sim. bubble: simulated with the measured F, B, W")
+    print(f"|dloss|, |dgrad|: largest difference from 1F1B over all steps"
+          f"{', CPU and emulated' if emulated else ''} (fp32); 'sim.': the simulator's peak ratio")
+    measured = _measured_costs(settings, runs)
+    passes = f" (measured F, B, W = {_ms(measured)} ms)" if measured is not None else ""
+    print(f"CPU step ms: real time of {settings.ranks} processes sharing {_cores()} cores, "
+          f"passes of milliseconds{passes}:\n  Python and messaging overhead, not device "
+          "time; sim. bubble: simulated with the measured F, B, W")
+    if emulated:
+        print("emulated device: every pass lasts its emulated F, B or W (the real work runs, "
+              "then it sleeps for the rest),\n  so a step takes device time; sim. ms: the "
+              "simulator's makespan of the same schedule and costs; ratio: step / sim.\n"
+              "* the 1F1B order run by our runtime (megatron's own 1F1B cannot be slowed per "
+              "pass)")
+
+
+def _ms(costs) -> str:
+    """Mean F, B, W over ranks in milliseconds, e.g. ``20, 27.8, 7``."""
+    means = [sum(v) / len(v) for v in (costs.forward, costs.backward, costs.weight)]
+    return ", ".join(f"{1000 * x:.3g}" for x in means)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _pictures(settings, runs, rows, out: Path) -> list[Path]:
-    """One timeline per schedule: measured for ours, simulated for megatron's 1F1B."""
+    """Per schedule, its timeline (measured for ours, simulated for megatron's 1F1B) and that
+    of its emulated run (``NAME-emulated``)."""
+    written = []
+    for row, (name, run) in zip(rows, runs.items()):
+        note = f"peak activation {row['peak_activation_vs_1f1b']:.2f} of 1F1B"
+        written.append(_picture(settings, name, run, out / name, note))
+        if run.emulated is not None:
+            note = (f"emulated device, F, B, W = {_ms(settings.emulated_costs())} ms, "
+                    f"{row['emulated_vs_simulated']:.2f} of simulated")
+            written.append(_picture(settings, name, run.emulated, out / f"{name}-emulated", note))
+    return written
+
+
+def _picture(settings, name, run, stem: Path, note: str) -> Path:
     from ..schedule import build_schedule, parse_action, simulate
     from ..schedule.model.schedule import Schedule
 
-    written = []
-    for row, (name, run) in zip(rows, runs.items()):
-        template = run.last_schedule or build_schedule(name, settings.ranks, settings.microbatches)
-        if run.timeline and all(run.timeline):
-            actions = tuple(tuple(parse_action(a) for a, _, _ in rank) for rank in run.timeline)
-            schedule = Schedule(name, template.placement, settings.microbatches, actions,
-                                template.memory_bound, "measured")
-            start = [[s for _, s, _ in rank] for rank in run.timeline]
-            end = [[e for _, _, e in rank] for rank in run.timeline]
-            what = "measured"
-        else:
-            result = simulate(template)
-            schedule, start, end, what = template, result.start, result.end, "simulated"
-        title = (f"{name} ({what}), p={settings.ranks} m={settings.microbatches}, peak activation "
-                 f"{row['peak_activation_vs_1f1b']:.2f} of 1F1B")
-        written.append(_draw(schedule, start, end, out / name, title))
-    return written
+    template = run.last_schedule or build_schedule(name, settings.ranks, settings.microbatches)
+    if run.timeline and all(run.timeline):
+        actions = tuple(tuple(parse_action(a) for a, _, _ in rank) for rank in run.timeline)
+        schedule = Schedule(name, template.placement, settings.microbatches, actions,
+                            template.memory_bound, "measured")
+        start = [[s for _, s, _ in rank] for rank in run.timeline]
+        end = [[e for _, _, e in rank] for rank in run.timeline]
+        what = "measured"
+    else:
+        result = simulate(template)
+        schedule, start, end, what = template, result.start, result.end, "simulated"
+    title = f"{name} ({what}), p={settings.ranks} m={settings.microbatches}, {note}"
+    return _draw(schedule, start, end, stem, title)
 
 
 def _draw(schedule, start, end, stem: Path, title: str) -> Path:

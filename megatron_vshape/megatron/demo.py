@@ -9,18 +9,29 @@ prints the table and draws the timelines.
 Every rank builds the model with :mod:`.tiny_gpt` (weights by global name, data by step), so
 1F1B and the V placements start from identical weights; plain SGD steps keep later iterations
 comparable too.
+
+Step times of 4 processes sharing 2 cores, with passes of a few milliseconds, measure Python
+and messaging, not a device. So each schedule also runs a few steps with emulated device time (the
+runtime's emulated-cost mode: every pass lasts at least its F, B or W, from the F : B : W
+ratios measured on an H100), which the simulator's makespan predicts. Megatron's own 1F1B
+cannot be slowed per pass, so the emulated 1F1B is the same order run by our runtime.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
 
 from .tiny_gpt import TinyGPT
 
-__all__ = ["DemoSettings", "ScheduleRun", "run_schedules", "DEMO_SCHEDULES"]
+__all__ = ["DemoSettings", "ScheduleRun", "run_schedules", "DEMO_SCHEDULES", "DEVICE_RATIOS"]
 
 DEMO_SCHEDULES = ("1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto")
+
+DEVICE_RATIOS = (1.0, 1.39, 0.35)
+"""F : B : W of megatron-core transformer layers measured on one H100 (README, "On a GPU")."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,15 @@ class DemoSettings:
     """auto's limit: a fraction of 1F1B's activation memory, or bytes ("2MiB")."""
     timeout: float = 120.0
     """Seconds any point-to-point wait may take."""
+    emulate_ms: float | None = 40.0
+    """Emulated F of one rank's layer share in milliseconds (B and W by DEVICE_RATIOS); None:
+    no emulated runs. Why 40: a V chunk's shortest pass (W, 40 x 0.35 / 2 = 7 ms) stays above
+    the real work of a pass (2-4 ms on a contended core), so the sleeps set the pace, and what
+    they cannot hide (host work between passes, message latency: 25-50 ms a step with 4
+    processes on 2 cores) stays within 5% of a 1-1.3 s step; at 20 ms it was 5-12%."""
+    emulate_steps: int = 2
+    """Emulated iterations per schedule (the first builds runners and groups; the rest are
+    timed). Fixed costs, no re-planning."""
 
     def __post_init__(self) -> None:
         if self.ranks < 2:
@@ -46,9 +66,21 @@ class DemoSettings:
         if self.microbatches < 1 or self.steps < 1:
             raise ValueError("--microbatches and --steps must be >= 1, got "
                              f"{self.microbatches} and {self.steps}")
+        if self.emulate_ms is not None and self.emulate_ms <= 0:
+            raise ValueError(f"--emulate-ms must be > 0 milliseconds, got {self.emulate_ms}")
+        if self.emulate_steps < 1:
+            raise ValueError(f"emulate_steps must be >= 1, got {self.emulate_steps}")
         if self.model.num_layers < 2 * self.ranks:
             raise ValueError(f"the model has {self.model.num_layers} layers; a V on "
                              f"{self.ranks} ranks needs >= {2 * self.ranks}: lower --ranks")
+
+    def emulated_costs(self):
+        """The emulated F, B, W (schedule.Costs, seconds per rank's share), or None."""
+        if self.emulate_ms is None:
+            return None
+        from ..schedule.model.costs import Costs
+
+        return Costs.build(self.ranks, *(self.emulate_ms / 1000 * r for r in DEVICE_RATIOS))
 
 
 @dataclass
@@ -73,6 +105,9 @@ class ScheduleRun:
     """Measured F, B, W per rank (schedule.Costs) where the schedule splits B and W."""
     last_schedule: object = None
     """The schedule that ran last (None for megatron's own 1F1B)."""
+    emulated: "ScheduleRun | None" = None
+    """The same schedule's run with emulated device time (DemoSettings.emulate_ms), built for
+    the emulated costs; for 1f1b, the 1F1B order run by our runtime."""
 
 
 def run_schedules(settings: DemoSettings, schedules, on_done=None) -> dict[str, ScheduleRun]:
@@ -115,6 +150,7 @@ def _merge(schedule: str, values: list) -> ScheduleRun:
             merged.update(v["grads"][s])
         grads.append(merged)
     seconds = [max(v["seconds"][s] for v in values) for s in range(steps)]
+    emulated = [v["emulated"] for v in values if v.get("emulated") is not None]
     return ScheduleRun(
         schedule=schedule,
         losses=[[x for v in values for x in v["losses"][s]] for s in range(steps)],
@@ -123,7 +159,8 @@ def _merge(schedule: str, values: list) -> ScheduleRun:
         step_seconds=statistics.median(seconds[1:] or seconds),
         timeline=[_aligned(v["timeline"], min(x["started"] for x in values)) for v in values],
         plans=values[0]["plans"], costs=values[0]["costs"],
-        last_schedule=values[0]["schedule"])
+        last_schedule=values[0]["schedule"],
+        emulated=_merge(schedule, emulated) if emulated else None)
 
 
 def _plan_start(plans) -> int:
@@ -144,30 +181,61 @@ def _worker(rank: int, world: int, settings: DemoSettings, schedules, done) -> d
     from .cpu import install_cpu_shims
 
     install_cpu_shims()
+    from megatron.core import parallel_state as ps
+
     out = {}
+    costs = settings.emulated_costs()
+    layout, groups = None, {}  # groups: our stream groups, shared by all runs (see _model_parallel)
     for schedule in schedules:
-        chunks, fb = _build(settings, schedule)
-        out[schedule] = _train(settings, chunks, fb)
+        layout = _model_parallel(settings, _two_chunks(schedule), layout)
+        out[schedule] = _train(settings, *_build(settings, schedule, groups), settings.steps)
+        if costs is not None:
+            out[schedule]["emulated"] = _train(
+                settings, *_build(settings, schedule, groups, costs), settings.emulate_steps)
         if rank == 0:
             done.put(schedule)
+    ps.destroy_model_parallel()
     return out
 
 
-def _build(settings: DemoSettings, schedule: str):
-    """This rank's chunks (placement of ``schedule``) and its forward-backward function."""
+def _two_chunks(schedule: str) -> bool:
+    return schedule not in ("1f1b", "zb-1p")
+
+
+def _model_parallel(settings: DemoSettings, two_chunks: bool, current: bool | None) -> bool:
+    """Initialize megatron's groups for the chunk layout (V: the embedding group joins rank 0's
+    two chunks) unless they are up already. Once per layout, not per run: megatron's
+    destroy_model_parallel forgets its groups without destroying them, and every gloo group
+    keeps a thread that wakes every 10 ms: dozens per run slowed the later runs' steps down."""
     import megatron.core.models.gpt  # noqa: F401  (before the shims rebind megatron's RNG)
+    from megatron.core import parallel_state as ps
+
+    from .model import v_embedding_ranks
+
+    if current == two_chunks:
+        return two_chunks
+    if current is not None:
+        ps.destroy_model_parallel()
+    kwargs = {"get_embedding_ranks": v_embedding_ranks} if two_chunks else {}
+    ps.initialize_model_parallel(pipeline_model_parallel_size=settings.ranks, **kwargs)
+    return two_chunks
+
+
+def _build(settings: DemoSettings, schedule: str, groups: dict, emulate=None):
+    """This rank's chunks (placement of ``schedule``) and its forward-backward function (ours
+    use and fill the shared stream ``groups``); with ``emulate`` (Costs), ours built for and
+    slowed to those costs, never re-planned (1f1b too: megatron's own has no per-pass hook to
+    sleep in; auto under a byte limit keeps its provisional V-Min, as nothing measures bytes)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from .forward_backward import VShapeForwardBackward
-    from .model import build_v_chunks, v_embedding_ranks
+    from .model import build_v_chunks
     from .tiny_gpt import init_by_name
     from .wgrad import defer_weight_grads
     from ..runtime.wgrad import WeightGradStore
 
-    two_chunks = schedule not in ("1f1b", "zb-1p")
-    kwargs = {"get_embedding_ranks": v_embedding_ranks} if two_chunks else {}
-    ps.initialize_model_parallel(pipeline_model_parallel_size=settings.ranks, **kwargs)
+    two_chunks = _two_chunks(schedule)
     model_parallel_cuda_manual_seed(123)
     config = settings.model.transformer_config(settings.ranks)
     provider = settings.model.provider(settings.tied)
@@ -179,20 +247,20 @@ def _build(settings: DemoSettings, schedule: str):
         if schedule == "zb-1p":
             defer_weight_grads(chunks[0], WeightGradStore())
     init_by_name(chunks, settings.tied)
-    if schedule == "1f1b":
+    if schedule == "1f1b" and emulate is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return chunks, get_forward_backward_func()
     auto = schedule == "auto"
     return chunks, VShapeForwardBackward(
         schedule, timeout=settings.timeout, memory_limit=settings.memory_limit if auto else None,
-        replan_after=1 if auto else 0)
+        replan_after=1 if auto and emulate is None else 0, costs=emulate, emulate=emulate,
+        stream_groups=groups)
 
 
-def _train(settings: DemoSettings, chunks, fb) -> dict:
+def _train(settings: DemoSettings, chunks, fb, steps: int) -> dict:
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from ..runtime.memory import ActivationTracker
     from .tiny_gpt import batches, forward_step, global_grads
@@ -202,20 +270,20 @@ def _train(settings: DemoSettings, chunks, fb) -> dict:
     for store in (store_of(c) for c in chunks):
         store.tracker = tracker
     out = {"losses": [], "grads": [], "seconds": [], "peaks": []}
-    for step in range(settings.steps):
+    for step in range(steps):
         for p in (p for c in chunks for p in c.parameters()):
             p.grad = None
         data = [iter(batches(settings.model, settings.microbatches, step)) for _ in chunks]
         tracker.reset_peak()
-        dist.barrier()
-        begin = time.perf_counter()
-        with tracker.saved_tensors_hooks():
+        with _no_gc_pauses(), tracker.saved_tensors_hooks():
+            dist.barrier()
+            begin = time.perf_counter()
             losses = fb(forward_step_func=forward_step,
                         data_iterator=data if len(chunks) > 1 else data[0], model=chunks,
                         num_microbatches=settings.microbatches,
                         seq_length=settings.model.seq_length,
                         micro_batch_size=settings.model.micro_batch_size)
-        out["seconds"].append(time.perf_counter() - begin)
+            out["seconds"].append(time.perf_counter() - begin)
         if settings.tied and len(chunks) == 1:
             _sum_tied_grads_1f1b(chunks[0])
         out["losses"].append([d["lm loss"].item() for d in losses])
@@ -225,8 +293,24 @@ def _train(settings: DemoSettings, chunks, fb) -> dict:
             for p in (p for c in chunks for p in c.parameters() if p.grad is not None):
                 p -= 0.01 * p.grad
     out.update(_schedule_facts(fb, settings))
-    ps.destroy_model_parallel()
     return out
+
+
+@contextlib.contextmanager
+def _no_gc_pauses():
+    """No garbage collection inside the step: a full collection pauses one process for tens of
+    milliseconds and stalls the whole pipeline (Megatron-LM's --manual-gc exists for the same
+    reason; runtime/toy_run.py does the same), so collect before the step instead."""
+    gc.collect()
+    gc.freeze()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.unfreeze()
 
 
 def _schedule_facts(fb, settings: DemoSettings) -> dict:
@@ -235,9 +319,16 @@ def _schedule_facts(fb, settings: DemoSettings) -> dict:
     if step is None:
         return {"timeline": [], "plans": [], "costs": None, "started": 0.0, "schedule": None}
     timeline = [(str(a), s, e) for a, s, e in step.timeline]
-    costs = fb.measured_costs(settings.microbatches)
+    costs = fb.measured_costs(settings.microbatches) if _splits_bw(fb.last_schedule) else None
     return {"timeline": (step.started, timeline), "plans": list(fb.plans), "costs": costs,
             "started": step.started, "schedule": fb.last_schedule}
+
+
+def _splits_bw(schedule) -> bool:
+    """Whether ``schedule`` has W passes (the profile's costs need them; our 1F1B fuses BW)."""
+    from ..schedule.model.actions import PassKind
+
+    return any(a.kind is PassKind.W for a in schedule.compute_actions(0))
 
 
 def _sum_tied_grads_1f1b(model) -> None:

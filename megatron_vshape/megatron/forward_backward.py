@@ -23,7 +23,7 @@ from ..runtime.interpreter import PipelineRunner, RunnerConfig
 from ..runtime.p2p import TensorSpec
 from ..runtime.profile import PassProfile
 from ..runtime.streams import StreamGroups
-from ..schedule.model.costs import MemoryModel
+from ..schedule.model.costs import Costs, MemoryModel
 from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, VARIANTS, build_schedule
 from ..schedule.search.levels import LEVEL_NAMES
@@ -67,6 +67,16 @@ class VShapeForwardBackward:
     """Pass durations of the training steps run so far (see runtime/profile.py)."""
     synchronize: bool = False
     """Synchronize the GPU around passes (accurate profiles, slower steps)."""
+    emulate: Costs | None = None
+    """Emulated device time (runtime/interpreter.py's emulated-cost mode): every compute pass
+    lasts at least its share of these per-rank F, B, W seconds. Processes sharing a few CPU
+    cores then behave like one device each, so step times measure the schedule (comparable with
+    ``simulate(schedule, emulate).makespan``) instead of Python and messaging overhead."""
+    stream_groups: dict = field(default_factory=dict, repr=False)
+    """The point-to-point groups, by (pipeline's global ranks, placement), created collectively
+    on first use. Instances that run one after the other (the same model under several
+    schedules, as the demo does) may share one dict: each gloo group keeps a thread that wakes
+    every 10 ms, so groups made per instance slow every later step down."""
     last_step: object = field(default=None, repr=False)
     """The runtime's StepResult of the latest call (timeline, seconds)."""
     replanner: Replanner = field(default=None, repr=False)
@@ -75,7 +85,6 @@ class VShapeForwardBackward:
     last_schedule: object = field(default=None, repr=False)
     """The schedule of the latest call."""
     _relearn_ddp: bool = field(default=False, repr=False)
-    _groups: dict = field(default_factory=dict, repr=False)
     _schedules: dict = field(default_factory=dict, repr=False)
     _runners: dict = field(default_factory=dict, repr=False)
 
@@ -92,6 +101,9 @@ class VShapeForwardBackward:
             raise ValueError(f"replan_after re-plans auto and the fastest variant of zb-1p, "
                              f"v-min, v-half and v-zb; {self.schedule!r} ({self.variant}) is a "
                              "fixed order: use replan_after=0")
+        if self.emulate is not None and not isinstance(self.emulate, Costs):
+            raise ValueError(f"emulate must be schedule Costs (F, B, W seconds per rank) or "
+                             f"None, got {self.emulate!r}")
         if self.replanner is None:
             self.replanner = Replanner(self.replan_after, self.memory_limit)
 
@@ -197,23 +209,25 @@ class VShapeForwardBackward:
                  f"; B leaves {-memory.weight:.3g} of a chunk's activations for W")
 
     def _runner(self, schedule, pg, spec, config, profiling=False) -> PipelineRunner:
-        """One validated runner per (schedule, pipeline, tensor spec), reused across steps."""
+        """One validated runner per (schedule, pipeline, tensor spec, sync and emulation
+        settings), reused across steps."""
         synchronize = self.synchronize or (profiling and torch.cuda.is_available())
         key = (id(schedule), tuple(torch.distributed.get_process_group_ranks(pg.pp)), spec,
-               bool(config.deallocate_pipeline_outputs), synchronize)
+               bool(config.deallocate_pipeline_outputs), synchronize, self.emulate)
         if key not in self._runners:
             self._runners[key] = PipelineRunner(
                 schedule, None, self._stream_groups(schedule, pg), spec,
                 RunnerConfig(timeout=self.timeout, scale_loss=False,
                              deallocate_outputs=config.deallocate_pipeline_outputs,
-                             synchronize=synchronize))
+                             synchronize=synchronize, emulate=self.emulate))
         return self._runners[key]
 
     def _stream_groups(self, schedule, pg):
         key = (tuple(torch.distributed.get_process_group_ranks(pg.pp)), schedule.placement)
-        if key not in self._groups:
-            self._groups[key] = StreamGroups.create(schedule.placement, _all_pipelines(pg.pp))
-        return self._groups[key]
+        if key not in self.stream_groups:
+            self.stream_groups[key] = StreamGroups.create(schedule.placement,
+                                                          _all_pipelines(pg.pp))
+        return self.stream_groups[key]
 
     @staticmethod
     def _spec(config, pg, seq_length, micro_batch_size, decoder_seq_length, adjust):
