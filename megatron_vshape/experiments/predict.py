@@ -17,9 +17,10 @@ whether the prediction falls in the paper's range and, from the rows, why not.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from ..plan.candidates import SearchSpace
+from ..plan.candidates import SearchSpace, pipeline_parallel_choices, tensor_parallel_choices
 from ..plan.evaluate import Prediction
 from ..plan.planner import PlanResult, plan
 from ..plan.settings import GIB, ClusterConfig, TrainingConfig
@@ -61,7 +62,7 @@ class CasePrediction:
     seq_length: int
     result: PlanResult
 
-    @property
+    @functools.cached_property
     def best(self) -> dict[str, Prediction]:
         """Row label -> its fastest feasible row (labels that fit somewhere)."""
         return {label: row for label, (_, row) in best_per_schedule(self.result).items()}
@@ -114,9 +115,10 @@ def predict_case(grid: GridConfig, seq_length: int, auto_candidates: int = 3) ->
     cluster = ClusterConfig(grid.gpus.total, gpu_memory, gpus_per_node=grid.gpus.per_node)
     training = TrainingConfig(seq_length, _global_batch(grid, seq_length))
     model = grid.model
-    tp = tuple(t for t in grid.tp if grid.gpus.per_node % t == 0 and grid.gpus.total % t == 0
-               and model.num_attention_heads % t == 0 and model.query_groups % t == 0)
-    pp = tuple(p for p in grid.pp if grid.gpus.total % p == 0 and p <= model.num_layers)
+    valid_tp = tensor_parallel_choices(model, cluster, SearchSpace())
+    valid_pp = pipeline_parallel_choices(model, cluster, SearchSpace())
+    tp = tuple(t for t in grid.tp if t in valid_tp)
+    pp = tuple(p for p in grid.pp if p in valid_pp)
     space = SearchSpace(schedules=_SCHEDULES, micro_batch_sizes=grid.mbs, tensor_parallel=tp,
                         pipeline_parallel=pp, auto_candidates=auto_candidates,
                         recompute=("none", "full"))
