@@ -64,3 +64,17 @@ def test_fill_and_drain_rule_out_v_zb_at_092_of_1f1b_for_p4_m32():
     assert floor == pytest.approx(180.03) and floor > 0.92 * one
     frees = MemoryModel(1, -0.75, -0.25)
     assert makespan_floor(Placement(p, Layout.V), m, c, p, frees) == pytest.approx(178.51)
+
+
+def test_little_rules_out_v_min_at_110_of_1f1b_for_p16_m128():
+    """Issue 15's real-cost target v-min <= 1.10 x 1F1B (costs 2,2.78,0.7,0.05, m = 8p) cannot
+    be met at p = 16 under the default memory model: at V-Min's 6 units, rank 0 keeps each
+    microbatch's activations for so long that no order finishes before 1.105 x 1F1B's
+    makespan (797.0). When B frees three quarters the floor is 1.098: no proof there."""
+    p, m = 16, 128
+    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    one = simulate(build_schedule("1f1b", p, m), c).makespan
+    level = (p + 4) // 3
+    assert makespan_floor(Placement(p, Layout.V), m, c, level) > 1.10 * one
+    frees = MemoryModel(1, -0.75, -0.25)
+    assert makespan_floor(Placement(p, Layout.V), m, c, level, frees) < 1.10 * one

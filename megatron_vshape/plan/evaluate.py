@@ -207,14 +207,16 @@ class Evaluator:
                                         "parameters and optimizer state alone")
         # the search counts memory in units of a rank's share; B keeps what W needs
         unit = [sum(c.forward for c in chunks) for chunks in ranks.chunks]
-        kept = min(1.0, max(sum(c.wgrad for c in ch) / sum(c.forward for c in ch)
-                            for ch in ranks.chunks))
+        wgrad_share = max(sum(c.wgrad for c in ch) / sum(c.forward for c in ch)
+                          for ch in ranks.chunks)
+        kept = min(1.0, wgrad_share)
         memory = MemoryModel(1.0, -(1.0 - kept), -kept)
+        shapes = wgrad_share <= 1.0  # else B grows the bytes: W-deferring shapes cost more
         limit = min(memory_limit_units(point.pp, point.microbatches, limit_bytes=f,
                                        activation_bytes=u) for f, u in zip(free, unit))
         for _ in range(_AUTO_RETRIES):
             try:
-                found = search(point.pp, point.microbatches, costs, limit, memory)
+                found = search(point.pp, point.microbatches, costs, limit, memory, shapes)
             except InfeasibleMemoryError as err:
                 return Prediction(layout, point.microbatches, False, str(err), "search")
             peaks = peak_activation_bytes(found.schedule, ranks.chunks)

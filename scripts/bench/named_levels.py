@@ -16,8 +16,7 @@ import statistics
 import time
 
 from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model, simulate
-from megatron_vshape.schedule.search.adaptive import _search_cached
-from megatron_vshape.schedule.search.levels import LEVEL_NAMES, _fastest_cached
+from megatron_vshape.schedule.search.levels import LEVEL_NAMES, clear_caches
 
 
 def main() -> None:
@@ -41,8 +40,7 @@ def main() -> None:
             for name in args.names:
                 times = []
                 for _ in range(args.repeats):
-                    _search_cached.cache_clear()
-                    _fastest_cached.cache_clear()
+                    clear_caches()
                     started = time.perf_counter()
                     fastest = build_schedule(name, p, m, costs, memory=memory)
                     times.append(time.perf_counter() - started)

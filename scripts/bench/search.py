@@ -14,7 +14,8 @@ import statistics
 import time
 
 from megatron_vshape.schedule import build_schedule, parse_costs, simulate
-from megatron_vshape.schedule.search.adaptive import InfeasibleMemoryError, _search_cached, memory_limit_units, search
+from megatron_vshape.schedule.search.adaptive import InfeasibleMemoryError, memory_limit_units, search
+from megatron_vshape.schedule.search.levels import clear_caches
 
 
 def main() -> None:
@@ -56,7 +57,7 @@ def _timed_search(p, m, costs, limit, repeats):
     """The search's result and the wall time of each of ``repeats`` uncached runs."""
     times = []
     for _ in range(repeats):
-        _search_cached.cache_clear()
+        clear_caches()
         started = time.perf_counter()
         found = search(p, m, costs, limit)
         times.append(time.perf_counter() - started)

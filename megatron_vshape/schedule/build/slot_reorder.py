@@ -24,6 +24,7 @@ All moves are in unit slots, so the order is cost-independent (the simulator tim
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 from ..model.actions import Action, PassKind, ScheduleError
@@ -41,9 +42,11 @@ _DELTA = (1, 1, 0, 0, -1)
 _WARM_UP, _STEADY, _COOL_DOWN = range(3)
 
 
+@functools.lru_cache(maxsize=16, typed=True)
 def slot_reorder(block: BuildingBlock, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """Per-rank orders of ``block`` repeated ``microbatches`` times, squeezed and reordered by
-    the pass-by-pass walk of the module doc."""
+    the pass-by-pass walk of the module doc. Cached per (block, microbatches), like
+    :func:`.compose.compose`: the walk is in slots, so costs and memory model do not enter."""
     if block.layout is not Layout.V or not block.split_backward:
         raise ScheduleError(f"block {block.name}: the slot reorder needs a V block with W passes")
     slots = [_repeated(block, rank, microbatches) for rank in range(block.ranks)]

@@ -16,8 +16,17 @@ Candidates, all V-shaped (two chunks per rank):
                      slot-reordered and wave orders are not replayed: they are finished
                      orders, and taking replay slots from the blocks lost the best replay
                      (p = 4, m = 64, costs 2,2.4,1.6,0.5 at 3 units: 0.119 bubble, not 0.041)
+    re-laid          the 4 fastest of the above and every finished construction, with each
+                     rank's warm-up, and warm-up and cool-down, re-laid in the shapes the
+                     paper code's adaptive search gives them (shapes.py), at the limit's peak
+                     (the warm-up also at the candidate's own): a rank runs chunk 1's F, B and
+                     W back to back where the block's slots make it wait, and the last
+                     gradients walk tight (costs 2,2,2, hop 0.1, p = 8 at 4 units: m = 16
+                     0.254 -> 0.242 bubble, m = 64 0.124 -> 0.117; the reference's search
+                     0.243 and 0.115); not replayed (at m = 64 that lost 0.001)
     polished         the 3 fastest of all the above, improved by the local search (local.py),
-                     then the fastest of all polished once more with a larger budget
+                     then the fastest of all (re-laid first if it is not yet) polished once
+                     more with a larger budget
 
 Each candidate is timed by the simulator with the real costs and kept only when its peak memory
 is within the limit; the one with the smallest makespan wins (ties: less memory, then the order
@@ -50,6 +59,7 @@ from ..model.limits import memory_limit_units
 from ..build.family import v_block, v_family
 from ..build.periodic import periodic_block, periodic_orders
 from ..build.slot_reorder import slot_reorder
+from ..build.shapes import reshape_cool_down, reshape_warm_up
 from ..build.wave import wave_schedule
 from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
@@ -69,12 +79,23 @@ _REPLAY_WINDOWS = (4,)
 _REPLAY_SLACK = (0, 1)
 _PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
 _POLISHED = 3
+_RELAID = 4
+_RELAID_LARGE = 1
+"""The fastest candidates (distinct orders) whose warm-up and cool-down are re-laid, besides
+every finished construction (slot-reordered blocks, the wave); over 12,000 passes only the
+fastest (a re-lay times the order twice: p = 32, m = 256 took 12.6 s instead of 9.6 s)."""
 _POLISH_BUDGET = 100_000
 """Passes the local search may time per start (about 0.1 s; a bound, so results repeat)."""
 _FINAL_POLISH_BUDGET = 600_000
 """Passes for polishing the winner once more (about 0.4 s): at p = 4, m = 16, costs 1,1.2,0.8
 at V-Min's memory it takes the makespan from 61.4 to issue 3's best known (CP-SAT) 61.1, and
 67.2 to 66.6 with comm 0.1; 500,000 stop at 66.7, 200,000 at 61.4 and 66.9."""
+_FINAL_POLISH_LARGE = 150_000
+_FINAL_POLISH_LARGE_PASSES = 4_000
+"""From this many passes (p = 16, m = 48) the winner's second polish gets the smaller budget:
+over p = 16, m = 32 and 64, four cost ratios and four limits (32 points) 150,000 passes gave
+the same makespans as 600,000 at every point, for 0.1-0.6 s less; at p = 8, m = 64 (3,072
+passes, below the threshold) the larger budget still gained 0.05% at 2 of 16 points."""
 _BUDGET_PER_PASS = 1_600
 """Both polish budgets are capped at this many passes timed per pass of the schedule: the local
 search spends its whole budget, and a small schedule (p = 2, m = 2: 24 passes) would otherwise
@@ -121,11 +142,16 @@ class _Candidate:
 
 
 def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: float | None = None,
-           memory: MemoryModel = MemoryModel()) -> SearchResult:
-    """The fastest V schedule whose peak memory is at most ``limit`` units (default: 1F1B's)."""
+           memory: MemoryModel = MemoryModel(), shapes: bool = True) -> SearchResult:
+    """The fastest V schedule whose peak memory is at most ``limit`` units (default: 1F1B's).
+
+    ``shapes=False`` leaves out the re-laid warm-ups and cool-downs (module doc): the planner
+    does so when a B *grows* the bytes kept (large TP: the output gradients W keeps outweigh
+    what B frees), which no :class:`MemoryModel` can say, and the cool-down's W passes, free
+    in units, would cost bytes (gpt-98.5b, TP 8, PP 5: 40 -> 56 GiB on the last rank)."""
     costs = costs or Costs.build(ranks)
     limit = float(min(ranks, microbatches) if limit is None else limit)
-    return _search_cached(ranks, microbatches, costs, limit, memory)
+    return _search_cached(ranks, microbatches, costs, limit, memory, shapes)
 
 
 def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
@@ -141,12 +167,13 @@ def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel) -> SearchResult:
+def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
+                   shapes: bool = True) -> SearchResult:
     """The search under ``memory``; under a model whose B frees memory, also the fastest order
     of the model that frees nothing at B (:func:`freeing_nothing_at_b`), re-timed."""
     base = freeing_nothing_at_b(memory)
     try:
-        own = _search_one(p, m, costs, limit, memory)
+        own = _search_one(p, m, costs, limit, memory, shapes)
     except InfeasibleMemoryError:
         if base is None:
             raise
@@ -154,7 +181,7 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
     if base is None:
         return own
     try:
-        other = _search_cached(p, m, costs, limit, base)
+        other = _search_cached(p, m, costs, limit, base, shapes)
     except InfeasibleMemoryError:
         if own is None:
             raise
@@ -165,7 +192,8 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
     return own
 
 
-def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel) -> SearchResult:
+def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
+                shapes: bool) -> SearchResult:
     if not isinstance(p, int) or p < 2:
         raise ScheduleError(f"ranks must be an integer >= 2, got {p!r}")
     if not isinstance(m, int) or m < 1:
@@ -187,7 +215,10 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
         smallest.append((peak, description))
         if peak <= limit + _EPS:
             # a replay timed itself; everything else is timed by the simulator
-            result = None if isinstance(built, Replay) else simulate(schedule, costs, memory)
+            try:
+                result = None if isinstance(built, Replay) else simulate(schedule, costs, memory)
+            except ScheduleError:  # a re-laid warm-up can deadlock across ranks
+                return
             makespan = built.makespan if result is None else result.makespan
             pool.append(_Candidate(description, orders, peak, makespan, len(pool), result,
                                    replayable))
@@ -208,6 +239,8 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
     for offsets, block in _family_within(p, m, limit, memory, smallest, skipped):
         consider(f"V family block, {offsets.describe()}",
                  functools.partial(compose, dataclasses.replace(block, memory_bound=limit), m))
+    full = int(limit * placement.chunks + _EPS)  # the limit in chunk-activations
+    relaid: set = set()  # orders already re-laid
     for scale in _PERIOD_SCALES:
         consider(f"continuous-offset block, period x{scale:g}",
                  functools.partial(_periodic, p, m, costs, scale))
@@ -219,6 +252,11 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
                 consider(f"{base.description}, replayed in time (window {window})",
                          functools.partial(replay_in_time, base.orders, placement, costs,
                                            limit * placement.chunks + slack, memory, window))
+    finished = [] if large else [c for c in pool
+                                 if not c.replayable and "re-laid" not in c.description]
+    bases = _polish_bases(pool, _RELAID_LARGE if large else _RELAID)
+    for base in _fresh(bases + _polish_bases(finished, len(finished)), relaid, shapes):
+        _relay(consider, placement, base, full, int(base.peak * placement.chunks + _EPS))
     for base in _polish_bases(pool, _POLISHED):
         consider(f"{base.description}, polished",
                  functools.partial(_polish, placement, m, base.orders, costs,
@@ -232,9 +270,13 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel)
         peak, description = min(smallest)
         raise InfeasibleMemoryError(limit, peak, description)
     winner = min(pool, key=_key)
+    for base in _fresh([winner], relaid, shapes and "re-laid" not in winner.description):
+        _relay(consider, placement, base, full, full, cool_down_alone=True)  # a replay won
+        winner = min(pool, key=_key)
+    final = _FINAL_POLISH_LARGE if 6 * p * m >= _FINAL_POLISH_LARGE_PASSES else _FINAL_POLISH_BUDGET
     consider(f"{winner.description}, polished further",
              functools.partial(_polish, placement, m, winner.orders, costs,
-                               limit * placement.chunks, memory, _FINAL_POLISH_BUDGET))
+                               limit * placement.chunks, memory, final))
     winner = min(pool, key=_key)
     schedule = Schedule("auto", placement, m, winner.orders, memory_bound=limit,
                         description=f"auto: {winner.description} (limit {limit:g} units)")
@@ -279,6 +321,40 @@ def _polish(placement: Placement, m: int, orders, costs: Costs, cap: float,
 
 def _key(candidate: _Candidate) -> tuple:
     return (round(candidate.makespan, 9), candidate.peak, candidate.rank)
+
+
+def _fresh(bases: list[_Candidate], relaid: set, shapes: bool) -> list[_Candidate]:
+    """The bases whose orders were not re-laid yet (none when ``shapes`` is off); marks them."""
+    if not shapes:
+        return []
+    out = []
+    for base in bases:
+        if base.orders not in relaid:
+            relaid.add(base.orders)
+            out.append(base)
+    return out
+
+
+def _relay(consider: Callable, placement: Placement, base: _Candidate, full: int, own: int,
+           cool_down_alone: bool = False) -> None:
+    """Candidates from ``base`` re-laid (shapes.py): its warm-up at the limit's peak ``full``
+    and at its ``own`` (chunk-activations), warm-up and cool-down at ``full``, and, for the
+    winner of the replays, the cool-down alone."""
+    for peak in sorted({full, own}):
+        consider(f"{base.description}, warm-up re-laid (peak {peak})",
+                 functools.partial(reshape_warm_up, placement, base.orders, peak),
+                 replayable=False)
+    consider(f"{base.description}, warm-up and cool-down re-laid (peak {full})",
+             functools.partial(_relay_both, placement, base.orders, full), replayable=False)
+    if cool_down_alone:
+        consider(f"{base.description}, cool-down re-laid (peak {full})",
+                 functools.partial(reshape_cool_down, placement, base.orders, full),
+                 replayable=False)
+
+
+def _relay_both(placement: Placement, orders, peak: int) -> tuple:
+    """The warm-up re-laid, then the cool-down (the order of the paper code's steps)."""
+    return reshape_cool_down(placement, reshape_warm_up(placement, orders, peak), peak)
 
 
 def _named(name: str, p: int, m: int) -> tuple:

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import functools
 
+from ..build.compose import compose, repeat
 from ..build.greedy import Policy, greedy_schedule
 from ..build.named import FAMILIES, paper_schedule
+from ..build.slot_reorder import slot_reorder
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
 from ..model.simulate import peak_memory, simulate
-from .adaptive import freeing_nothing_at_b, search
+from .adaptive import _search_cached, freeing_nothing_at_b, search
 from .local import improve
 
-__all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level"]
+__all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level", "clear_caches"]
 
 LEVEL_NAMES = ("zb-1p", "v-min", "v-half", "v-zb")
 """The names that are memory levels (1f1b and interleaved-1f1b stay fixed orders)."""
@@ -102,3 +104,9 @@ def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float
                 best = (makespan, candidate, label)
     return best[1], best[2]
 
+
+def clear_caches() -> None:
+    """Forget every cached result: named levels, searches and the blocks built in slots.
+    Benchmarks call it so that each timed build starts from nothing."""
+    for cached in (_fastest_cached, _search_cached, compose, repeat, slot_reorder):
+        cached.cache_clear()

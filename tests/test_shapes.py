@@ -1,0 +1,129 @@
+"""Issue 15: warm-ups and cool-downs re-laid in the reference generator's shapes
+(build/shapes.py), and the points of the reference's adaptive search they let ``auto`` reach."""
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_vshape.schedule import (Costs, Layout, PassKind, Placement, Schedule,
+                                      ScheduleError, build_schedule, simulate, validate)
+from megatron_vshape.schedule.build.shapes import reshape_cool_down, reshape_warm_up
+from megatron_vshape.schedule.model.simulate import DeadlockError
+from megatron_vshape.schedule.search.adaptive import search
+
+F, B = PassKind.F, PassKind.B
+
+
+def _first_chunk0_b(placement, rank, order):
+    down = placement.stage_of(rank, 0)
+    return next(k for k, a in enumerate(order) if a.kind is B and a.stage == down)
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(2, 8), m_factor=st.integers(1, 4),
+       name=st.sampled_from(["v-min", "v-half", "v-zb"]), extra=st.integers(-2, 2))
+def test_reshape_only_reorders_each_ranks_warm_up(p, m_factor, name, extra):
+    m = m_factor * p
+    paper = build_schedule(name, p, m, variant="paper")
+    placement = paper.placement
+    peak = max(2, int(2 * max(simulate(paper).peak_memory)) + extra)
+    reshaped = reshape_warm_up(placement, paper.rank_actions, peak)
+    for rank, (old, new) in enumerate(zip(paper.rank_actions, reshaped)):
+        cut = _first_chunk0_b(placement, rank, old)
+        assert Counter(old[:cut]) == Counter(new[:cut])  # the same passes before chunk 0's B
+        assert old[cut:] == new[cut:]  # and nothing after it moves
+        for stage in {a.stage for a in new}:  # each stage's passes of a kind stay in order
+            for kind in PassKind:
+                mbs = [a.microbatch for a in new if a.stage == stage and a.kind is kind]
+                assert mbs == sorted(mbs)
+    try:
+        schedule = paper.with_actions(reshaped)
+        simulate(schedule)
+    except DeadlockError:
+        return  # the search drops these; the property is about what it keeps
+    validate(schedule)
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(2, 8), m_factor=st.integers(1, 4),
+       name=st.sampled_from(["v-min", "v-half", "v-zb"]), extra=st.integers(-2, 2))
+def test_cool_down_keeps_every_pass_and_each_stages_order(p, m_factor, name, extra):
+    m = m_factor * p
+    paper = build_schedule(name, p, m, variant="paper")
+    peak = max(2, int(2 * max(simulate(paper).peak_memory)) + extra)
+    reshaped = reshape_cool_down(paper.placement, paper.rank_actions, peak)
+    for old, new in zip(paper.rank_actions, reshaped):
+        assert Counter(old) == Counter(new)
+        for stage in {a.stage for a in new}:
+            for kind in PassKind:
+                mbs = [a.microbatch for a in new if a.stage == stage and a.kind is kind]
+                assert mbs == sorted(mbs)
+        weights_done = set()
+        for action in new:  # every W after its own B
+            if action.kind is PassKind.W:
+                assert (action.stage, action.microbatch) in weights_done
+            elif action.kind is B:
+                weights_done.add((action.stage, action.microbatch))
+    try:
+        schedule = paper.with_actions(reshaped)
+        simulate(schedule)
+    except DeadlockError:
+        return
+    validate(schedule)
+
+
+def test_cool_down_lays_the_last_gradients_tight():
+    """At p = 8, m = 64 (costs 2,2,2, hop 0.1, 4 units) the cool-down shape takes the search's
+    best order from 437.4 to 434.8 (the reference: 434.0). In unit slots (every pass one slot,
+    free hops) each rank's last (P + 1) // 2 = 4 chunk-0 B then run every other slot, the
+    chunk-0 gradient's walk tight; before the re-lay rank 0's were 6 and 12 slots apart."""
+    p, m = 8, 64
+    found = search(p, m, Costs.build(p, 2, 2, 2, comm=0.1), 4.0)
+    assert "cool-down re-laid" in found.schedule.description
+    unit = simulate(found.schedule, Costs.build(p, 2, 2, 2))
+    for rank in range(p):
+        down = found.schedule.placement.stage_of(rank, 0)
+        starts = [unit.start[rank][k] for k, a in enumerate(found.schedule.compute_actions(rank))
+                  if a.kind is B and a.stage == down]
+        assert [b - a for a, b in zip(starts[-4:], starts[-3:])] == [2.0, 2.0, 2.0], rank
+
+
+def test_reshape_lays_the_shape_of_the_module_doc():
+    p, m = 8, 16
+    paper = build_schedule("v-half", p, m, variant="paper")
+    placement = paper.placement
+    peak = 8
+    reshaped = reshape_warm_up(placement, paper.rank_actions, peak)
+    for rank, order in enumerate(reshaped):
+        down, up = placement.stage_of(rank, 0), placement.stage_of(rank, 1)
+        warm = order[:_first_chunk0_b(placement, rank, order)]
+        downs = sum(a.kind is F and a.stage == down for a in warm)
+        first = min(2 * (p - 1 - rank), peak - min(rank + 1, peak // 2), downs)
+        assert all(a.kind is F and a.stage == down for a in order[:first]), (rank, order[:first])
+        if first < downs:  # then (chunk-0 F, chunk-1 F) pairs, or a chunk-1 F when over
+            assert order[first].kind is F
+        assert any(a.kind is F and a.stage == up for a in warm), rank
+
+
+def test_reshape_needs_the_v_layout():
+    one = build_schedule("1f1b", 4, 8)
+    with pytest.raises(ScheduleError, match="V layout"):
+        reshape_warm_up(Placement(4, Layout.SINGLE), one.rank_actions, 4)
+
+
+@pytest.mark.parametrize("p,m,costs,limit,reference,tolerance", [
+    # the reference generator's adaptive search (v_auto_schedule.schedule at 2 x limit
+    # chunk-activations, commit 39f2c186), bubble over the whole iteration, timed by our
+    # simulator: scripts/bench/reference_compare.py; before the re-laid warm-up ours was
+    # 0.377, 0.254 and 0.335 there
+    (8, 8, (2, 2, 2, 0.1), 4, 0.3617, 1e-4),
+    (8, 16, (2, 2, 2, 0.1), 4, 0.2430, 1e-4),
+    (8, 8, (2, 2.4, 1.6, 0.0), 5, 0.3240, 1e-4),
+    # within the issue's 0.005 (0.1652 and 0.1168 now; 0.1674 and 0.1237 before the cool-down)
+    (8, 32, (2, 2, 2, 0.1), 4, 0.1623, 0.005),
+    (8, 64, (2, 2, 2, 0.1), 4, 0.1152, 0.005),
+])
+def test_auto_reaches_the_reference_adaptive_search(p, m, costs, limit, reference, tolerance):
+    found = search(p, m, Costs.build(p, *costs[:3], comm=costs[3]), float(limit))
+    assert found.result.peak_memory_max <= limit
+    assert found.result.bubble_rate <= reference + tolerance
