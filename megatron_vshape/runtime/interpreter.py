@@ -190,7 +190,8 @@ class PipelineRunner:
         with torch.set_grad_enabled(state.training):
             for state.index, action in enumerate(actions):
                 for j in posting.get(state.index, ()):
-                    self.transport.post_recv(route_of(actions[j], self.schedule.placement))
+                    self.transport.post_recv(route_of(actions[j], self.schedule.placement),
+                                             self._where(state, actions[j]))
                 self._run(action, state)
             self.transport.finish_sends(self._where(state, None))
         self._check_drained(state)
@@ -290,13 +291,15 @@ class PipelineRunner:
     def _send_activation(self, action: Action, state: _StepState) -> None:
         key = (action.stage, action.microbatch)
         output = state.outputs[key] if state.training else state.outputs.pop(key)
-        self.transport.send(output, route_of(action, self.schedule.placement), action)
+        self.transport.send(output, route_of(action, self.schedule.placement), action,
+                            self._where(state, action))
         if state.training and self.config.deallocate_outputs and output._base is None:
             deallocate(output)
 
     def _send_gradient(self, action: Action, state: _StepState) -> None:
         grad = state.input_grads.pop((action.stage, action.microbatch))
-        self.transport.send(grad, route_of(action, self.schedule.placement), action)
+        self.transport.send(grad, route_of(action, self.schedule.placement), action,
+                            self._where(state, action))
 
     def _receive(self, action: Action, state: _StepState) -> None:
         route = route_of(action, self.schedule.placement)

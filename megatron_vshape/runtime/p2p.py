@@ -87,29 +87,30 @@ class Transport:
         """When the last :meth:`wait_recv` stopped blocking (None: the message was there)."""
 
     # -- receives -----------------------------------------------------------------------
-    def post_recv(self, route: Route) -> None:
-        """Post the receive for ``route.message`` (idempotent)."""
+    def post_recv(self, route: Route, where: str = "posting a receive") -> None:
+        """Post the receive for ``route.message`` (idempotent); ``where`` names the rank, step
+        and action in the error when the peer is already gone."""
         if route.message in self._posted:
             return
         posted = _Posted(route)
         if self.spec.variable:
             posted.header = torch.empty(_MAX_DIMS + 1, dtype=torch.int64,
                                         device=self.spec.wire_device)
-            posted.header_work = self._irecv(posted.header, route)
+            posted.header_work = self._irecv(posted.header, route, where)
         else:
             posted.buffer = self._empty(self.spec.shape_of(route.stream[1], route.message[2]))
-            posted.work = self._irecv(posted.buffer, route)
+            posted.work = self._irecv(posted.buffer, route, where)
         self._posted[route.message] = posted
 
     def wait_recv(self, route: Route, where: str) -> torch.Tensor:
         """Wait for the posted (or now posted) receive of ``route`` and return its tensor."""
-        self.post_recv(route)
+        self.post_recv(route, where)
         posted = self._posted.pop(route.message)
         if posted.header_work is not None:
             self._wait(posted.header_work, route, where)
             ndim = int(posted.header[0])
             posted.buffer = self._empty(tuple(int(d) for d in posted.header[1:1 + ndim]))
-            posted.work = self._irecv(posted.buffer, route)
+            posted.work = self._irecv(posted.buffer, route, where)
         begin = time.perf_counter()
         self._wait(posted.work, route, where)
         end = time.perf_counter()
@@ -118,8 +119,10 @@ class Transport:
         return posted.buffer if self.spec.wire is None else posted.buffer.to(self.spec.device)
 
     # -- sends ----------------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor, route: Route, action: Action) -> None:
-        """Post an asynchronous send; the tensor is kept alive until :meth:`finish_sends`."""
+    def send(self, tensor: torch.Tensor, route: Route, action: Action,
+             where: str = "sending") -> None:
+        """Post an asynchronous send; the tensor is kept alive until :meth:`finish_sends`.
+        ``where`` names the rank and step in the error when the peer is already gone."""
         tensor = tensor.detach().contiguous()
         if self.spec.wire is not None:
             tensor = tensor.to(self.spec.wire)
@@ -130,8 +133,8 @@ class Transport:
             header = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=tensor.device)
             header[0] = tensor.dim()
             header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            self._sends.append((self._isend(header, route), route, action, header))
-        self._sends.append((self._isend(tensor, route), route, action, tensor))
+            self._sends.append((self._isend(header, route, where), route, action, header))
+        self._sends.append((self._isend(tensor, route, where), route, action, tensor))
 
     def finish_sends(self, where: str) -> None:
         """Wait for every posted send (end of step), so their buffers can be freed."""
@@ -148,22 +151,32 @@ class Transport:
     def _empty(self, shape: tuple) -> torch.Tensor:
         return torch.empty(shape, dtype=self.spec.dtype, device=self.spec.wire_device)
 
-    def _irecv(self, tensor: torch.Tensor, route: Route):
+    def _irecv(self, tensor: torch.Tensor, route: Route, where: str):
         src = self.groups.global_rank(route.peer)
-        return dist.irecv(tensor, src=src, group=self.groups.group(route.stream))
+        try:  # gloo raises at once when the peer's connection is already closed
+            return dist.irecv(tensor, src=src, group=self.groups.group(route.stream))
+        except RuntimeError as err:
+            raise self._failure(f"{where}, posting the receive", route, err) from err
 
-    def _isend(self, tensor: torch.Tensor, route: Route):
+    def _isend(self, tensor: torch.Tensor, route: Route, where: str):
         dst = self.groups.global_rank(route.peer)
-        return dist.isend(tensor, dst=dst, group=self.groups.group(route.stream))
+        try:
+            return dist.isend(tensor, dst=dst, group=self.groups.group(route.stream))
+        except RuntimeError as err:
+            raise self._failure(f"{where}, posting the send", route, err) from err
 
     def _wait(self, work, route: Route, where: str) -> None:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as err:
-            kind, producer, mb = route.message
-            raise P2PError(
-                f"{where}: {kind} of stage {producer}, microbatch {mb}, with peer pipeline rank "
-                f"{route.peer} (global rank {self.groups.global_rank(route.peer)}) failed or "
-                f"did not complete within {self.timeout.total_seconds():g} s: {err}. The peer "
-                "has crashed, hangs, or runs a different schedule; check its log."
-            ) from err
+            raise self._failure(where, route, err) from err
+
+    def _failure(self, where: str, route: Route, err: RuntimeError) -> "P2PError":
+        """The error naming the message, the peer and the timeout (both ranks' logs matter)."""
+        kind, producer, mb = route.message
+        return P2PError(
+            f"{where}: {kind} of stage {producer}, microbatch {mb}, with peer pipeline rank "
+            f"{route.peer} (global rank {self.groups.global_rank(route.peer)}) failed or "
+            f"did not complete within {self.timeout.total_seconds():g} s: {err}. The peer "
+            "has crashed, hangs, or runs a different schedule; check its log."
+        )
