@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_vshape.schedule import (Costs, Layout, PassKind, Placement, Schedule,
+from megatron_vshape.schedule import (Costs, Layout, PassKind, Placement,
                                       ScheduleError, build_schedule, simulate, validate)
 from megatron_vshape.schedule.build.shapes import reshape_cool_down, reshape_warm_up
 from megatron_vshape.schedule.model.simulate import DeadlockError
