@@ -19,57 +19,63 @@ def _first_chunk0_b(placement, rank, order):
     return next(k for k, a in enumerate(order) if a.kind is B and a.stage == down)
 
 
-@settings(max_examples=30, deadline=None)
-@given(p=st.integers(2, 8), m_factor=st.integers(1, 4),
-       name=st.sampled_from(["v-min", "v-half", "v-zb"]), extra=st.integers(-2, 2))
-def test_reshape_only_reorders_each_ranks_warm_up(p, m_factor, name, extra):
-    m = m_factor * p
-    paper = build_schedule(name, p, m, variant="paper")
-    placement = paper.placement
-    peak = max(2, int(2 * max(simulate(paper).peak_memory)) + extra)
-    reshaped = reshape_warm_up(placement, paper.rank_actions, peak)
-    for rank, (old, new) in enumerate(zip(paper.rank_actions, reshaped)):
-        cut = _first_chunk0_b(placement, rank, old)
-        assert Counter(old[:cut]) == Counter(new[:cut])  # the same passes before chunk 0's B
-        assert old[cut:] == new[cut:]  # and nothing after it moves
-        for stage in {a.stage for a in new}:  # each stage's passes of a kind stay in order
-            for kind in PassKind:
-                mbs = [a.microbatch for a in new if a.stage == stage and a.kind is kind]
-                assert mbs == sorted(mbs)
-    try:
-        schedule = paper.with_actions(reshaped)
-        simulate(schedule)
-    except DeadlockError:
-        return  # the search drops these; the property is about what it keeps
-    validate(schedule)
+_PAPER_ORDERS = given(p=st.integers(2, 8), m_factor=st.integers(1, 4),
+                      name=st.sampled_from(["v-min", "v-half", "v-zb"]),
+                      extra=st.integers(-2, 2))
+"""A paper V order (m = m_factor x p) and a peak ``extra`` chunk-activations off its own."""
 
 
-@settings(max_examples=30, deadline=None)
-@given(p=st.integers(2, 8), m_factor=st.integers(1, 4),
-       name=st.sampled_from(["v-min", "v-half", "v-zb"]), extra=st.integers(-2, 2))
-def test_cool_down_keeps_every_pass_and_each_stages_order(p, m_factor, name, extra):
-    m = m_factor * p
-    paper = build_schedule(name, p, m, variant="paper")
-    peak = max(2, int(2 * max(simulate(paper).peak_memory)) + extra)
-    reshaped = reshape_cool_down(paper.placement, paper.rank_actions, peak)
-    for old, new in zip(paper.rank_actions, reshaped):
-        assert Counter(old) == Counter(new)
-        for stage in {a.stage for a in new}:
-            for kind in PassKind:
-                mbs = [a.microbatch for a in new if a.stage == stage and a.kind is kind]
-                assert mbs == sorted(mbs)
-        weights_done = set()
-        for action in new:  # every W after its own B
-            if action.kind is PassKind.W:
-                assert (action.stage, action.microbatch) in weights_done
-            elif action.kind is B:
-                weights_done.add((action.stage, action.microbatch))
+def _paper_at_peak(p, m_factor, name, extra):
+    paper = build_schedule(name, p, m_factor * p, variant="paper")
+    return paper, max(2, int(2 * max(simulate(paper).peak_memory)) + extra)
+
+
+def _assert_stages_keep_microbatch_order(order):
+    for stage in {a.stage for a in order}:
+        for kind in PassKind:
+            mbs = [a.microbatch for a in order if a.stage == stage and a.kind is kind]
+            assert mbs == sorted(mbs)
+
+
+def _validate_unless_deadlocked(paper, reshaped):
+    """Valid, when it runs at all: the search drops orders that deadlock across ranks."""
     try:
         schedule = paper.with_actions(reshaped)
         simulate(schedule)
     except DeadlockError:
         return
     validate(schedule)
+
+
+@settings(max_examples=30, deadline=None)
+@_PAPER_ORDERS
+def test_reshape_only_reorders_each_ranks_warm_up(p, m_factor, name, extra):
+    paper, peak = _paper_at_peak(p, m_factor, name, extra)
+    placement = paper.placement
+    reshaped = reshape_warm_up(placement, paper.rank_actions, peak)
+    for rank, (old, new) in enumerate(zip(paper.rank_actions, reshaped)):
+        cut = _first_chunk0_b(placement, rank, old)
+        assert Counter(old[:cut]) == Counter(new[:cut])  # the same passes before chunk 0's B
+        assert old[cut:] == new[cut:]  # and nothing after it moves
+        _assert_stages_keep_microbatch_order(new)
+    _validate_unless_deadlocked(paper, reshaped)
+
+
+@settings(max_examples=30, deadline=None)
+@_PAPER_ORDERS
+def test_cool_down_keeps_every_pass_and_each_stages_order(p, m_factor, name, extra):
+    paper, peak = _paper_at_peak(p, m_factor, name, extra)
+    reshaped = reshape_cool_down(paper.placement, paper.rank_actions, peak)
+    for old, new in zip(paper.rank_actions, reshaped):
+        assert Counter(old) == Counter(new)
+        _assert_stages_keep_microbatch_order(new)
+        weights_done = set()
+        for action in new:  # every W after its own B
+            if action.kind is PassKind.W:
+                assert (action.stage, action.microbatch) in weights_done
+            elif action.kind is B:
+                weights_done.add((action.stage, action.microbatch))
+    _validate_unless_deadlocked(paper, reshaped)
 
 
 def test_cool_down_lays_the_last_gradients_tight():

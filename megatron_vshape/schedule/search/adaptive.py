@@ -252,8 +252,7 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
                 consider(f"{base.description}, replayed in time (window {window})",
                          functools.partial(replay_in_time, base.orders, placement, costs,
                                            limit * placement.chunks + slack, memory, window))
-    finished = [] if large else [c for c in pool
-                                 if not c.replayable and "re-laid" not in c.description]
+    finished = [] if large else [c for c in pool if not c.replayable]
     bases = _polish_bases(pool, _RELAID_LARGE if large else _RELAID)
     for base in _fresh(bases + _polish_bases(finished, len(finished)), relaid, shapes):
         _relay(consider, placement, base, full, int(base.peak * placement.chunks + _EPS))
