@@ -27,6 +27,12 @@ Candidates, all V-shaped (two chunks per rank):
     polished         the 3 fastest of all the above, improved by the local search (local.py),
                      then the fastest of all (re-laid first if it is not yet) polished once
                      more with a larger budget
+    W deferred       the 3 fastest of all with every W moved to where its rank would wait
+                     (wfill.py): the backlog the steady state builds within the limit fills
+                     the cool-down's waits for the last gradients (H100 costs 2,2.78,0.7,0.05,
+                     p = 8, m = 64 at V-Half's memory: 1.043 -> 0.999 x 1F1B); the fastest, if
+                     it wins, polished once more; like the re-laid ones, left out with
+                     ``shapes=False``
 
 Each candidate is timed by the simulator with the real costs and kept only when its peak memory
 is within the limit; the one with the smallest makespan wins (ties: less memory, then the order
@@ -61,6 +67,7 @@ from ..build.periodic import periodic_block, periodic_orders
 from ..build.slot_reorder import slot_reorder
 from ..build.shapes import reshape_cool_down, reshape_warm_up
 from ..build.wave import wave_schedule
+from ..build.wfill import defer_weight_passes
 from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
@@ -79,6 +86,12 @@ _REPLAY_WINDOWS = (4,)
 _REPLAY_SLACK = (0, 1)
 _PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
 _POLISHED = 3
+_FILLED = 3
+"""The fastest candidates (distinct orders) whose W passes are deferred (wfill.py), after the
+last polish, so that the search up to there is unchanged and the deferred orders can only add
+wins (0.003-0.12 s each at p = 4-16, m = 4p-8p). Deferred before the polish instead, they took
+the polish's starts from orders that polished better: V-Half at p = 4, m = 16, H100 costs
+0.950 -> 0.953 x 1F1B, V-Min at costs 1,1.2,0.8: 61.0 -> 61.1."""
 _RELAID = 4
 _RELAID_LARGE = 1
 """The fastest candidates (distinct orders) whose warm-up and cool-down are re-laid, besides
@@ -145,10 +158,11 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
            memory: MemoryModel = MemoryModel(), shapes: bool = True) -> SearchResult:
     """The fastest V schedule whose peak memory is at most ``limit`` units (default: 1F1B's).
 
-    ``shapes=False`` leaves out the re-laid warm-ups and cool-downs (module doc): the planner
-    does so when a B *grows* the bytes kept (large TP: the output gradients W keeps outweigh
-    what B frees), which no :class:`MemoryModel` can say, and the cool-down's W passes, free
-    in units, would cost bytes (gpt-98.5b, TP 8, PP 5: 40 -> 56 GiB on the last rank)."""
+    ``shapes=False`` leaves out the re-laid warm-ups and cool-downs and the deferred W passes
+    (module doc): the planner does so when a B *grows* the bytes kept (large TP: the output
+    gradients W keeps outweigh what B frees), which no :class:`MemoryModel` can say, and the
+    cool-down's W passes, free in units, would cost bytes (gpt-98.5b, TP 8, PP 5: 40 -> 56 GiB
+    on the last rank)."""
     costs = costs or Costs.build(ranks)
     limit = float(min(ranks, microbatches) if limit is None else limit)
     return _search_cached(ranks, microbatches, costs, limit, memory, shapes)
@@ -273,10 +287,18 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
         _relay(consider, placement, base, full, full, cool_down_alone=True)  # a replay won
         winner = min(pool, key=_key)
     final = _FINAL_POLISH_LARGE if 6 * p * m >= _FINAL_POLISH_LARGE_PASSES else _FINAL_POLISH_BUDGET
-    consider(f"{winner.description}, polished further",
-             functools.partial(_polish, placement, m, winner.orders, costs,
-                               limit * placement.chunks, memory, final))
+    polish_further = functools.partial(_polish_further, consider, placement, m, costs,
+                                       limit * placement.chunks, memory, final)
+    polish_further(winner)
+    before_filling = len(pool)
+    for base in _polish_bases(pool, _FILLED if shapes else 0):
+        consider(f"{base.description}, W deferred",
+                 functools.partial(defer_weight_passes, base.orders, placement, costs,
+                                   limit * placement.chunks, memory), replayable=False)
     winner = min(pool, key=_key)
+    if winner.rank >= before_filling:  # a deferred order won: it gets the same last polish
+        polish_further(winner)
+        winner = min(pool, key=_key)
     schedule = Schedule("auto", placement, m, winner.orders, memory_bound=limit,
                         description=f"auto: {winner.description} (limit {limit:g} units)")
     result = simulate(schedule, costs, memory) if winner.result is None else winner.result
@@ -316,6 +338,13 @@ def _polish(placement: Placement, m: int, orders, costs: Costs, cap: float,
     passes = sum(len(order) for order in orders)
     return improve(placement, m, orders, costs, cap, memory,
                    min(budget, _BUDGET_PER_PASS * passes)).orders
+
+
+def _polish_further(consider: Callable, placement: Placement, m: int, costs: Costs, cap: float,
+                    memory: MemoryModel, budget: int, base: _Candidate) -> None:
+    """The last polish, with the larger ``budget``, as a candidate."""
+    consider(f"{base.description}, polished further",
+             functools.partial(_polish, placement, m, base.orders, costs, cap, memory, budget))
 
 
 def _key(candidate: _Candidate) -> tuple:
