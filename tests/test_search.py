@@ -160,9 +160,10 @@ def test_unbalanced_costs_at_v_min_memory_beat_1f1b(p, comm):
       1F1B's makespan: p = 4, m = 16: 59.3 vs 57.0 (comm 0, 20 min; auto 61.9), 64.7 vs 59.8
       (comm 0.1, 5 min; auto 67.8); p = 8, m = 32: 118.7 vs 117.0 (comm 0, 7 min; auto 120.7),
       129.3 vs 123.8 (comm 0.1, 5 min; auto 130.2). auto has since passed those time-limited
-      runs at p = 8 (118.1 and 126.9) but not at p = 4 (61.0 and 66.1). "Makespan <= 57.0" at p = 4, m = 16,
-      comm 0 stays undecided after 20 minutes, even with F, B and W each run in microbatch
-      order per stage (no loss, as in test_half_memory_uniform_costs_bubble's argument).
+      runs at p = 8 (118.1 and 126.9) but not at p = 4 (61.0 and 66.1). "Makespan <= 57.0"
+      at p = 4, m = 16, comm 0 stays undecided after 20 minutes, even with F, B and W each run
+      in microbatch order per stage (no loss, as in test_half_memory_uniform_costs_bubble's
+      argument).
       Hill climbing on auto's orders (adjacent swaps,
       moves of up to 6 places, memory kept) stops at 61.4 there.
     """
