@@ -13,9 +13,8 @@ _H100 = "2,2.78,0.7,0.05"
 _B_FREES = MemoryModel(1, -0.75, -0.25)
 
 
-def _deferred(schedule, costs, memory, limit=None):
-    limit = schedule.memory_bound if limit is None else limit
-    cap = limit * schedule.placement.chunks
+def _deferred(schedule, costs, memory):
+    cap = schedule.memory_bound * schedule.placement.chunks
     return schedule.with_actions(defer_weight_passes(schedule.rank_actions, schedule.placement,
                                                      costs, cap, memory))
 

@@ -18,13 +18,12 @@ so the replay's own makespan stands in for a simulation while the search compare
 """
 from __future__ import annotations
 
-import functools
 import heapq
 from typing import NamedTuple
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
-from ..model.deps import hop_table
+from ..model.deps import hop_table, wake_table
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
 
@@ -76,7 +75,7 @@ def replay_in_time(
     microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
     kinds = frozenset(a.kind for order in orders for a in order)
     table = hop_table(placement, microbatches)
-    wakes = _wake_table(placement, costs.comm, microbatches, kinds)
+    wakes = wake_table(placement, costs.comm, microbatches, kinds)
     finished: dict[Action, float] = {}
     wake = [(0.0, r) for r in range(len(ranks))]  # (time, rank): when a rank may have work
     while wake:  # every end, and every arrival one hop later, wakes the ranks it concerns
@@ -114,19 +113,6 @@ def replay_in_time(
     busy = [r for r in ranks if r.out]
     makespan = max((r.free_at for r in busy), default=0.0) - min((r.first for r in busy), default=0.0)
     return Replay(tuple(tuple(r.out) for r in ranks), makespan)
-
-
-@functools.lru_cache(maxsize=4)
-def _wake_table(placement: Placement, comm: float, microbatches: int, kinds: frozenset):
-    """Which ranks to wake (rank, hop delay) when a pass completes; shared by every replay of
-    the same setting (read-only)."""
-    table = hop_table(placement, microbatches)
-    wakes: dict[Action, list[tuple[int, float]]] = {}
-    for action, (_, dep, remote) in table.items():
-        if dep is not None and action.kind in kinds:
-            delay = comm if remote else 0.0
-            wakes.setdefault(dep, []).append((placement.rank_of(action.stage), delay))
-    return wakes
 
 
 def _pick(state: _Rank, table, comm, finished, now, cap, delta, window) -> Action | None:

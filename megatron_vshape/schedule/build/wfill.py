@@ -32,7 +32,7 @@ import heapq
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
-from ..model.deps import hop_table
+from ..model.deps import hop_table, wake_table
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
 
@@ -68,22 +68,23 @@ def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
     microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
     table = hop_table(placement, microbatches)
     rank_of = [placement.rank_of(s) for s in range(placement.num_stages)]
-    started: dict[Action, float] = {}  # completion key -> start time
+    wakes = wake_table(placement, costs.comm, microbatches, frozenset({F, B}))
+    finished: dict[Action, float] = {}  # completion key -> end time
     wake = [(0.0, r) for r in range(len(ranks))]
     while wake:
         now, index = heapq.heappop(wake)
         state = ranks[index]
         if state.free_at > now + _TOLERANCE or not (state.rest or state.pending):
             continue
-        action = _choose(state, table, rank_of, ranks, started, costs.comm, now, cap, delta)
+        action = _choose(state, table, rank_of, ranks, finished, costs.comm, now, cap, delta)
         if action is None:
-            continue  # waits for its dependency: that pass's start wakes it
-        state.free_at = now + state.durations[action.kind]
+            continue  # waits for its dependency: that pass's end wakes it
+        state.free_at = finished[action] = now + state.durations[action.kind]
         state.memory += delta[action.kind]
         state.out.append(action)
-        started[action] = now
         heapq.heappush(wake, (state.free_at, index))
-        _wake_dependents(action, table, rank_of, ranks, started, costs.comm, wake)
+        for rank, hop in wakes.get(action, ()):
+            heapq.heappush(wake, (state.free_at + hop, rank))
     stuck = [(i, r.rest[0]) for i, r in enumerate(ranks) if r.rest]
     if stuck:
         raise ScheduleError(f"deferring W within {cap:g} chunk-activations leaves ranks "
@@ -91,7 +92,7 @@ def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
     return tuple(tuple(r.out) for r in ranks)
 
 
-def _choose(state: _Rank, table, rank_of, ranks, started, comm, now, cap, delta) -> Action | None:
+def _choose(state: _Rank, table, rank_of, ranks, finished, comm, now, cap, delta) -> Action | None:
     """The pass ``state`` starts at ``now``, or None to wait (module doc's rules)."""
     if not state.rest:
         return state.pending.popleft()
@@ -101,7 +102,7 @@ def _choose(state: _Rank, table, rank_of, ranks, started, comm, now, cap, delta)
             raise ScheduleError(f"{head} does not fit within {cap:g} chunk-activations "
                                 "and no W is left to free room")
         return state.pending.popleft()
-    ready = _ready_at(head, table, rank_of, ranks, started, comm, now)
+    ready = _ready_at(head, table, rank_of, ranks, finished, comm, now)
     if ready <= now + _TOLERANCE:
         state.rest.popleft()
         if head.kind is B:
@@ -112,7 +113,7 @@ def _choose(state: _Rank, table, rank_of, ranks, started, comm, now, cap, delta)
     return None
 
 
-def _ready_at(action: Action, table, rank_of, ranks, started, comm, now) -> float:
+def _ready_at(action: Action, table, rank_of, ranks, finished, comm, now) -> float:
     """When ``action`` can start at the earliest: its dependency's end plus a hop across
     ranks; while the dependency has not started, no sooner than it could end if it started
     now on its own rank."""
@@ -120,31 +121,8 @@ def _ready_at(action: Action, table, rank_of, ranks, started, comm, now) -> floa
     if dep is None:
         return now
     hop = comm if remote else 0.0
-    owner = ranks[rank_of[dep.stage]]
-    length = owner.durations[dep.kind]
-    start = started.get(dep)
-    if start is None:
-        return max(now, owner.free_at) + length + hop
-    return start + length + hop
-
-
-def _wake_dependents(action: Action, table, rank_of, ranks, started, comm, wake) -> None:
-    """A started pass wakes the rank of the pass that waits for it, at its end plus a hop."""
-    if action.kind is W:
-        return
-    for dependent in _dependents(action, table):
-        rank = rank_of[dependent.stage]
-        _, _, remote = table[dependent]
-        at = started[action] + ranks[rank_of[action.stage]].durations[action.kind]
-        heapq.heappush(wake, (at + (comm if remote else 0.0), rank))
-
-
-def _dependents(action: Action, table):
-    """The F or B passes that wait for ``action`` (at most one: the next stage's F, the
-    previous stage's B, or this stage's B at the loss)."""
-    kind, stage, mb = action
-    if kind is F:
-        candidates = (Action(F, stage + 1, mb), Action(B, stage, mb))
-    else:
-        candidates = (Action(B, stage - 1, mb),)
-    return [c for c in candidates if c in table and table[c][1] == action]
+    end = finished.get(dep)
+    if end is None:
+        owner = ranks[rank_of[dep.stage]]
+        end = max(now, owner.free_at) + owner.durations[dep.kind]
+    return end + hop

@@ -20,7 +20,7 @@ from .actions import Action, PassKind
 if TYPE_CHECKING:
     from .placement import Placement
 
-__all__ = ["dependencies", "completion_key", "dependency_table", "hop_table"]
+__all__ = ["dependencies", "completion_key", "dependency_table", "hop_table", "wake_table"]
 
 _F, _B, _W, _BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
 
@@ -76,3 +76,17 @@ def hop_table(placement: "Placement", microbatches: int) -> dict[Action, tuple]:
         remote = dep is not None and rank_of[dep.stage] != rank_of[action.stage]
         table[action] = (completion_key(action), dep, remote)
     return table
+
+
+@functools.lru_cache(maxsize=4)
+def wake_table(placement: "Placement", comm: float, microbatches: int, kinds: frozenset):
+    """Per completion key: the (rank, hop delay) of every pass of ``kinds`` that waits for it,
+    i.e. whom a finished pass wakes in the list schedulers that advance in simulated time
+    (timed replay, W deferral). Shared by every call of the same setting (read-only)."""
+    table = hop_table(placement, microbatches)
+    wakes: dict[Action, list[tuple[int, float]]] = {}
+    for action, (_, dep, remote) in table.items():
+        if dep is not None and action.kind in kinds:
+            delay = comm if remote else 0.0
+            wakes.setdefault(dep, []).append((placement.rank_of(action.stage), delay))
+    return wakes
