@@ -1,4 +1,5 @@
-"""Machine proofs of impossible cases of issues 3 and 15 (CP-SAT; OR-Tools is not a project dependency).
+"""Machine proofs of impossible cases of issues 3 and 15 (CP-SAT; OR-Tools is not a project
+dependency).
 
 1. p = 4, half memory, uniform costs, m = 16 (below).
 2. Unbalanced costs at V-Min's memory: no building block runs at full rate (further below,
@@ -217,6 +218,7 @@ def test_shortest_block_period_at_v_min_memory_with_h100_costs(freed_at_b):
     per 22.7 on rank 0, 1.296 x 1F1B); the block this model finds, repeated and polished, gave
     1.2715 x (2% better; not in the search: it needs an exact solver)."""
     chunks = 2 * ((4 + 4) // 3)
-    assert _block_exists(4, _H100_TICKS, _H100_COMM, 735, chunks, freed_at_b=freed_at_b) == "INFEASIBLE"
+    assert _block_exists(4, _H100_TICKS, _H100_COMM, 735, chunks,
+                         freed_at_b=freed_at_b) == "INFEASIBLE"
     assert _block_exists(4, _H100_TICKS, _H100_COMM, 737, chunks,
                          freed_at_b=freed_at_b) in ("OPTIMAL", "FEASIBLE")
