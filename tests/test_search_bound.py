@@ -209,14 +209,15 @@ _H100_TICKS, _H100_COMM = (100, 139, 35), 5
 @pytest.mark.parametrize("freed_at_b", [0, 3], ids=["default-model", "b-frees-3/4"])
 def test_shortest_block_period_at_v_min_memory_with_h100_costs(freed_at_b):
     """At p = 4 and V-Min's 2 units (4 chunk-activations) no block runs faster than 7.36 per
-    microbatch, 1.34 x the compute (5.48), whether B frees nothing or three quarters: the round
-    trip of chunk 0 alone (20.1) over 4 chunk-activations would allow 5.7 (the Little floor of
-    bounds.py), but the passes of the microbatches in flight collide on the ranks. So a steady
-    state of one repeated pattern loses 34% to 1F1B's full rate, and V-Min <= 1.10 x 1F1B
-    (issue 15) is out of its reach at p = 4: at m = 32 the pattern alone takes 31 x 7.36 =
-    228 > 1.10 x 194.4. The search's V-Min there runs 7.57 per microbatch (three microbatches
-    per 22.7 on rank 0, 1.296 x 1F1B); the block this model finds, repeated and polished, gave
-    1.2715 x (2% better; not in the search: it needs an exact solver)."""
+    microbatch, 1.34 x the compute (5.48), whether B frees nothing or three quarters: what one
+    microbatch holds on rank 0 (chunk 0 for its round trip, 20.1, chunk 1 for 2.7) over 4
+    chunk-activations would allow 5.7 (the Little floor of bounds.py, default model), but the
+    passes of the microbatches in flight collide on the ranks. So a steady state of one
+    repeated pattern loses 34% to 1F1B's full rate, and V-Min <= 1.10 x 1F1B (issue 15) is out
+    of its reach at p = 4: at m = 32 the pattern alone takes 31 x 7.36 = 228 > 1.10 x 194.4.
+    The search's V-Min there runs 7.57 per microbatch (three microbatches per 22.7 on rank 0,
+    1.296 x 1F1B); the block this model finds, repeated and polished, gave 1.2715 x (2% better;
+    not in the search: it needs an exact solver)."""
     chunks = 2 * ((4 + 4) // 3)
     assert _block_exists(4, _H100_TICKS, _H100_COMM, 735, chunks,
                          freed_at_b=freed_at_b) == "INFEASIBLE"
