@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from .actions import Action, PassKind, ScheduleError
 from .costs import Costs, MemoryModel
-from .deps import dependencies, hop_table
+from .deps import dependencies
+from .indexed import Dataflow, PassIndex
 from .placement import Placement
 from .schedule import Schedule
 
@@ -102,50 +103,23 @@ def _time(schedule: Schedule, costs: Costs):
 
 def time_orders(placement: Placement, microbatches: int, acts, dur, comm: float):
     """Start/end of every compute action of per-rank orders ``acts`` (durations ``dur`` per
-    rank and kind), by dataflow: each rank advances until it blocks. Raises DeadlockError when
-    the orders wait on each other. Shared by the simulator and the local search."""
-    p = placement.ranks
-    starts = [[0.0] * len(a) for a in acts]
-    ends = [[0.0] * len(a) for a in acts]
-    done: dict[Action, float] = {}
-    waiting: dict[Action, list[int]] = {}
-    ptr, clock = [0] * p, [0.0] * p
-    pending = list(range(p))
-    table = hop_table(placement, microbatches)
-    while pending:  # the search's hot loop: one table entry per pass, locals only
-        r = pending.pop()
-        i, t, mine, dur_r, start_r, end_r = ptr[r], clock[r], acts[r], dur[r], starts[r], ends[r]
-        count = len(mine)
-        while i < count:
-            action = mine[i]
-            key, dep, remote = table[action]
-            if dep is not None:
-                finished = done.get(dep)
-                if finished is None:
-                    waiting.setdefault(dep, []).append(r)
-                    break
-                if remote:
-                    finished += comm
-                if finished > t:
-                    t = finished
-            start_r[i] = t
-            t += dur_r[action.kind]
-            end_r[i] = done[key] = t
-            woken = waiting.pop(key, None)
-            if woken:
-                pending.extend(woken)
-            i += 1
-        ptr[r], clock[r] = i, t
-    for r in range(p):
-        if ptr[r] < len(acts[r]):
-            action = acts[r][ptr[r]]
-            deps = list(dependencies(action, placement.num_stages))
-            raise DeadlockError(
-                f"rank {r} step {ptr[r]}: {action} (stage {action.stage}, microbatch "
-                f"{action.microbatch}) waits for {deps} forever",
-                r, ptr[r], action,
-            )
-    return starts, ends
+    rank and kind), by dataflow: each rank advances until it blocks (indexed.py). Raises
+    DeadlockError when the orders wait on each other."""
+    index = PassIndex.of(placement, microbatches)
+    orders = index.encode(acts)
+    timing = Dataflow(index, index.durations(dur), comm).time(orders)
+    if timing.stuck is not None:
+        r, step = timing.stuck
+        raise deadlock(placement, r, step, acts[r][step])
+    return timing.starts, timing.ends
+
+
+def deadlock(placement: Placement, rank: int, step: int, action: Action) -> DeadlockError:
+    """The error for ``action``, the pass at ``step`` of ``rank``, waiting forever."""
+    deps = list(dependencies(action, placement.num_stages))
+    return DeadlockError(
+        f"rank {rank} step {step}: {action} (stage {action.stage}, microbatch "
+        f"{action.microbatch}) waits for {deps} forever", rank, step, action)
 
 
 def simulate(

@@ -18,19 +18,21 @@ order per stage and the result lowers to matching sends and receives. The work i
 """
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
-from ..model.deps import hop_table
+from ..model.indexed import Dataflow, PassIndex, gather
 from ..model.placement import Placement
-from ..model.simulate import pass_durations, time_orders
+from ..model.simulate import pass_durations
 
 __all__ = ["Improved", "improve"]
 
 _EPS = 1e-9
-F, B, W = PassKind.F, PassKind.B, PassKind.W
+W = PassKind.W
+_KINDS = (PassKind.F, PassKind.B, PassKind.W, PassKind.BW)
 
 
 @dataclass(frozen=True)
@@ -42,86 +44,83 @@ class Improved:
 
 
 class _Search:
-    """One local search (module doc): the current orders, their timing and the move loop."""
+    """One local search (module doc): the current orders (as pass ids, indexed.py), their
+    timing and the move loop. A move re-times only what starts at or after the first pass it
+    touches; the budget still counts every pass of the schedule per timing, so results do
+    not depend on how much of it is re-timed."""
 
     def __init__(self, placement: Placement, m: int, orders, costs: Costs, cap: float,
                  memory: MemoryModel, window: int):
-        self.placement, self.m, self.cap, self.window = placement, m, cap, window
-        self.durations = pass_durations(placement, costs)
-        self.comm = costs.comm
-        self.delta = memory.deltas
-        self.table = hop_table(placement, m)
-        self.rank_of = [placement.rank_of(s) for s in range(placement.num_stages)]
-        self.orders = [list(o) for o in orders]
+        self.cap, self.window = cap, window
+        index = self.index = PassIndex.of(placement, m)
+        self.flow = Dataflow(index, index.durations(pass_durations(placement, costs)),
+                             costs.comm)
+        deltas = memory.deltas
+        self.delta = [deltas[a.kind] for a in index.actions]
+        stages = placement.num_stages
+        self.group = [-1 if a.kind is W else _KINDS.index(a.kind) * stages + a.stage
+                      for a in index.actions]  # passes of one kind and stage; W passes none
+        self.orders = index.encode(orders)
+        self.completer = {index.key[a]: a for order in self.orders for a in order}
         self.passes = sum(len(o) for o in self.orders)
         self.timed = 0
-        self.score, self.starts, self.ends = self._evaluate(self.orders)
+        self.score, self.timing = self._evaluate(self.orders, None)
 
     # -- objective ---------------------------------------------------------------------------
-    def _evaluate(self, orders):
-        """(score, starts, ends), or None when the orders deadlock."""
+    def _evaluate(self, orders, cut):
+        """(score, timing), or (None, None) when the orders deadlock; with ``cut``, only what
+        starts at or after it in the current timing is timed again."""
         self.timed += self.passes
-        try:
-            starts, ends = time_orders(self.placement, self.m, orders, self.durations, self.comm)
-        except ScheduleError:
-            return None, None, None
+        timing = self.flow.time(orders) if cut is None else \
+            self.flow.retime(orders, self.timing, cut)
+        if timing.stuck is not None:
+            return None, None
+        starts, ends = timing.starts, timing.ends
         used = [r for r in range(len(orders)) if orders[r]]
         first = min(starts[r][0] for r in used)
         finish = [ends[r][-1] for r in used]
         score = (round(max(finish) - first, 9), round(sum(finish), 9),
                  round(sum(sum(e) for e in ends), 9))
-        return score, starts, ends
+        return score, timing
 
     def _fits(self, order: list) -> bool:
-        level = 0.0
-        for action in order:
-            level += self.delta[action.kind]
-            if level > self.cap + _EPS:
-                return False
-        return True
+        if not order:
+            return True
+        return max(itertools.accumulate(gather(self.delta, order))) <= self.cap + _EPS
 
     # -- moves -------------------------------------------------------------------------------
-    def _can_pass(self, mover: Action, other: Action) -> bool:
-        """Whether ``mover`` may be placed before ``other`` (which precedes it now)."""
-        if self.table[mover][1] == self.table[other][0]:
-            return False  # its own dependency, on this rank
-        return not (mover.kind is other.kind and mover.stage == other.stage
-                    and mover.kind is not W)
-
     def _moves(self):
         """(rank, from, to) moves of one pass earlier on its rank, biggest gaps first."""
         gaps = []
         for r, order in enumerate(self.orders):
+            starts, ends = self.timing.starts[r], self.timing.ends[r]
             for i in range(1, len(order)):
-                idle = self.starts[r][i] - self.ends[r][i - 1]
+                idle = starts[i] - ends[i - 1]
                 if idle > _EPS:
                     gaps.append((-idle, r, i))
         gaps.sort()
+        dep, rank = self.index.dep, self.index.rank
         for _, r, i in gaps:
             order = self.orders[r]
             for j in range(i + 1, min(len(order), i + 1 + self.window)):
                 yield r, j, i  # fill the gap with a later pass
-            waited = self.table[order[i]][1]
-            if waited is None:
+            waited = dep[order[i]]
+            if waited < 0:
                 continue
-            q = self.rank_of[waited.stage]
-            k = self._position(q, waited)
+            q = rank[waited]
+            k = self.orders[q].index(self.completer[waited])
             for to in range(k - 1, max(-1, k - 1 - self.window), -1):
                 yield q, k, to  # the awaited pass earlier on its rank
 
-    def _position(self, rank: int, key: Action) -> int:
-        order = self.orders[rank]
-        for index, action in enumerate(order):
-            if self.table[action][0] == key:
-                return index
-        raise ScheduleError(f"local search: {key} is not on rank {rank}")
-
     def _moved(self, r: int, j: int, i: int):
-        """Rank r's order with the pass at j moved to i < j, or None when not allowed."""
+        """Rank r's order with the pass at j moved to i < j, or None when not allowed: not
+        past its own dependency, nor past a pass of its kind and stage (W passes may)."""
         order = self.orders[r]
         mover = order[j]
-        if any(not self._can_pass(mover, other) for other in order[i:j]):
-            return None
+        waits, group, key = self.index.dep[mover], self.group[mover], self.index.key
+        for other in order[i:j]:
+            if key[other] == waits or (group >= 0 and self.group[other] == group):
+                return None
         new = order[:i] + [mover] + order[i:j] + order[j + 1:]
         return new if self._fits(new) else None
 
@@ -145,10 +144,10 @@ class _Search:
             return False
         trial = list(self.orders)
         trial[r] = new
-        score, starts, ends = self._evaluate(trial)
+        score, timing = self._evaluate(trial, self.timing.starts[r][i])
         if score is None or not accept(score):
             return False
-        self.orders, self.score, self.starts, self.ends = trial, score, starts, ends
+        self.orders, self.score, self.timing = trial, score, timing
         return True
 
     def kick(self, rng: random.Random, moves: int) -> None:
@@ -168,14 +167,14 @@ class _Search:
         (iterated local search; the generator is seeded, so runs repeat)."""
         rng = random.Random(0)
         accepted = self.descend(budget)
-        best = (self.score, self.orders, self.starts, self.ends)
+        best = (self.score, self.orders, self.timing)
         while self.timed < budget:
             self.kick(rng, kicks)
             accepted += self.descend(budget)
             if self.score < best[0]:
-                best = (self.score, self.orders, self.starts, self.ends)
+                best = (self.score, self.orders, self.timing)
             else:
-                self.score, self.orders, self.starts, self.ends = best
+                self.score, self.orders, self.timing = best
         return accepted
 
 
@@ -190,4 +189,4 @@ def improve(placement: Placement, microbatches: int, orders, costs: Costs, cap: 
     if any(not search._fits(o) for o in search.orders):
         raise ScheduleError(f"local search: the starting orders exceed {cap:g} chunk-activations")
     moves = search.run(budget, kicks)
-    return Improved(tuple(tuple(o) for o in search.orders), search.score[0], moves)
+    return Improved(search.index.decode(search.orders), search.score[0], moves)
