@@ -12,17 +12,23 @@ Bubble rates (paper, section 5):
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 
 from .actions import Action, PassKind, ScheduleError
 from .costs import Costs, MemoryModel
 from .deps import dependencies
-from .indexed import Dataflow, PassIndex
+from .indexed import Dataflow, PassIndex, gather
 from .placement import Placement
 from .schedule import Schedule
 
 __all__ = ["SimResult", "simulate", "peak_memory", "action_durations", "pass_durations",
            "time_orders", "DeadlockError"]
+
+
+_KIND, _MICROBATCH = operator.itemgetter(0), operator.itemgetter(2)  # Action's fields
+_COMPUTE = frozenset(k for k in PassKind if k.is_compute)
 
 
 class DeadlockError(ScheduleError):
@@ -78,27 +84,21 @@ def action_durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, fl
 
 def peak_memory(schedule: Schedule, memory: MemoryModel = MemoryModel()) -> tuple[float, ...]:
     """Per-rank peak activation memory (units above) of the schedule's order."""
-    delta = memory.deltas
+    step = dict.fromkeys(PassKind, 0.0) | memory.deltas  # sends and receives change nothing
     peaks = []
-    for actions in schedule.rank_actions:  # hot in the search: plain loop, sends skipped by .get
-        level = best = 0.0
-        for action in actions:
-            step = delta.get(action.kind)
-            if step is not None:
-                level += step
-                if level > best:
-                    best = level
-        peaks.append(best / schedule.placement.chunks)
+    for actions in schedule.rank_actions:  # hot in the search: summed in C, in order
+        levels = itertools.accumulate(map(step.__getitem__, map(_KIND, actions)))
+        peaks.append(max(itertools.chain((0.0,), levels)) / schedule.placement.chunks)
     return tuple(peaks)
 
 
-def _time(schedule: Schedule, costs: Costs):
-    """Start/end of every compute action (:func:`time_orders`)."""
-    acts = [tuple(schedule.compute_actions(r)) for r in range(schedule.ranks)]
-    dur = action_durations(schedule, costs)
-    microbatches = 1 + max((a.microbatch for mine in acts for a in mine), default=0)
-    starts, ends = time_orders(schedule.placement, microbatches, acts, dur, costs.comm)
-    return acts, starts, ends, dur
+def _compute_orders(schedule: Schedule) -> list[tuple[Action, ...]]:
+    """Each rank's compute actions (a lowered schedule's sends and receives skipped)."""
+    orders = []
+    for r, actions in enumerate(schedule.rank_actions):
+        plain = _COMPUTE.issuperset(map(_KIND, actions))
+        orders.append(actions if plain else tuple(schedule.compute_actions(r)))
+    return orders
 
 
 def time_orders(placement: Placement, microbatches: int, acts, dur, comm: float):
@@ -127,8 +127,17 @@ def simulate(
 ) -> SimResult:
     """Time ``schedule`` under ``costs`` (default: F = B = W = 1, no comm)."""
     costs = costs or Costs.build(schedule.ranks)
-    acts, starts, ends, dur = _time(schedule, costs)
-    busy = [sum(dur[r][a.kind] for a in acts[r]) for r in range(schedule.ranks)]
+    acts = _compute_orders(schedule)
+    microbatches = 1 + max((max(map(_MICROBATCH, order)) for order in acts if order), default=0)
+    index = PassIndex.of(schedule.placement, microbatches)
+    durations = index.durations(action_durations(schedule, costs))
+    orders = index.encode(acts)
+    timing = Dataflow(index, durations, costs.comm).time(orders)
+    if timing.stuck is not None:
+        r, step = timing.stuck
+        raise deadlock(schedule.placement, r, step, acts[r][step])
+    starts, ends = timing.starts, timing.ends
+    busy = [sum(gather(durations, order)) for order in orders]
     used = [r for r in range(schedule.ranks) if acts[r]]
     first = min(starts[r][0] for r in used)
     last = max(ends[r][-1] for r in used)
