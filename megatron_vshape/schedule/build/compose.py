@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections import deque
 
 from ..model.actions import Action, PassKind, ScheduleError
@@ -32,11 +33,12 @@ from ..model.schedule import Schedule
 from ..model.simulate import peak_memory, simulate
 from .zbv import zbv_order
 
-__all__ = ["repeat", "compose", "REORDERS"]
+__all__ = ["repeat", "repeated_kinds", "compose", "REORDERS"]
 
 log = logging.getLogger(__name__)
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
+_SLOT = operator.itemgetter(0)
 _COMPOSED_KEPT = 64
 _REPEATED_KEPT = 256
 """Orders built and kept, per (block, microbatches): orders in slots depend on nothing else,
@@ -57,17 +59,36 @@ def repeat(block: BuildingBlock, microbatches: int) -> tuple[tuple[Action, ...],
         timed = []
         for (kind, chunk), slot in rank_slots:
             stage = placement.stage_of(rank, chunk)
-            timed.extend((slot + block.interval * k, Action(kind, stage, k)) for k in range(microbatches))
-        timed.sort()
+            timed.extend((slot + block.interval * k, kind, Action(kind, stage, k))
+                         for k in range(microbatches))
+        timed.sort(key=_SLOT)
         if block.split_backward:
-            timed = _place_weight_passes(timed, block.interval, {s % block.interval for s, _ in timed})
-        orders.append(tuple(a for _, a in timed))
+            timed = _place_weight_passes(timed, block.interval, _weight_of)
+        orders.append(tuple(a for _, _, a in timed))
     return tuple(orders)
 
 
-def _place_weight_passes(timed, interval, used_residues):
-    """Merge W passes, first in first out, into the free residues after their B."""
-    free = sorted(set(range(interval)) - used_residues)
+def repeated_kinds(block: BuildingBlock, microbatches: int) -> list[list[PassKind]]:
+    """The kinds of :func:`repeat`'s orders, in order, without building the actions: all a
+    rank's memory levels depend on (the search reads the peaks of many short repeats)."""
+    kinds = []
+    for rank_slots in block.slots:
+        timed = sorted(((slot + block.interval * k, kind, None)
+                        for (kind, _), slot in rank_slots for k in range(microbatches)), key=_SLOT)
+        if block.split_backward:
+            timed = _place_weight_passes(timed, block.interval, lambda b: None)
+        kinds.append([kind for _, kind, _ in timed])
+    return kinds
+
+
+def _weight_of(b: Action) -> Action:
+    return Action(W, b.stage, b.microbatch)
+
+
+def _place_weight_passes(timed, interval, weight_of):
+    """Merge W passes, first in first out, into the free residues after their B: ``timed``
+    holds (slot, kind, pass) sorted by slot; ``weight_of`` gives a B pass's W pass."""
+    free = sorted(set(range(interval)) - {s % interval for s, _, _ in timed})
     queue, out = deque(), []
     base = timed[0][0] - timed[0][0] % interval
     index = 0
@@ -76,12 +97,11 @@ def _place_weight_passes(timed, interval, used_residues):
             slot = base + residue
             while index < len(timed) and timed[index][0] < slot:
                 out.append(timed[index])
-                if timed[index][1].kind is B:
-                    queue.append(timed[index][1])
+                if timed[index][1] is B:
+                    queue.append(timed[index][2])
                 index += 1
             if queue:
-                b = queue.popleft()
-                out.append((slot, Action(W, b.stage, b.microbatch)))
+                out.append((slot, W, weight_of(queue.popleft())))
         base += interval
     return out
 

@@ -19,11 +19,12 @@ so the replay's own makespan stands in for a simulation while the search compare
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
-from ..model.deps import hop_table, wake_table
+from ..model.indexed import PassIndex
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
 
@@ -42,17 +43,29 @@ class Replay(NamedTuple):
 
 
 class _Rank:
-    """A rank's remaining order, clock and activations while the pass runs."""
+    """A rank's remaining order (pass ids), clock and activations while the pass runs."""
 
-    def __init__(self, order, placement: Placement, rank: int, durations: dict):
-        self.rest = list(order)
-        self.stages = tuple(placement.stage_of(rank, c) for c in range(placement.chunks))
+    def __init__(self, order: list[int], chunks: int):
+        self.rest = order
         self.free_at = 0.0
         self.first = 0.0  # when its first pass started
         self.memory = 0.0
-        self.forwards = [0] * placement.chunks
-        self.durations = durations
-        self.out: list[Action] = []
+        self.forwards = [0] * chunks
+        self.out: list[int] = []
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the replay reads per pass id (model/indexed.py) and its rules' settings."""
+
+    index: PassIndex
+    duration: list
+    delay: list
+    step: list
+    cap: float
+    forward: float
+    """What a forward adds."""
+    window: int
 
 
 def replay_in_time(
@@ -69,73 +82,76 @@ def replay_in_time(
     ``window`` bounds how far past the head of a rank's order a ready pass may be taken.
     Raises ScheduleError when the limit leaves the ranks waiting on each other.
     """
-    delta = memory.deltas
-    durations = pass_durations(placement, costs)
-    ranks = [_Rank(o, placement, r, durations[r]) for r, o in enumerate(orders)]
-    microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
-    kinds = frozenset(a.kind for order in orders for a in order)
-    table = hop_table(placement, microbatches)
-    wakes = wake_table(placement, costs.comm, microbatches, kinds)
-    finished: dict[Action, float] = {}
+    index = PassIndex.for_orders(placement, orders)
+    shape = _Shape(index, index.durations(pass_durations(placement, costs)),
+                   index.delays(costs.comm), index.steps(memory), cap, memory.forward, window)
+    ranks = [_Rank(order, placement.chunks) for order in index.encode(orders)]
+    kinds = frozenset(index.kind[a] for order in ranks for a in set(order.rest))
+    wakes = index.wakes(costs.comm, kinds)
+    finished = [-1.0] * len(index.actions)  # end by completion id, -1.0: not yet
     wake = [(0.0, r) for r in range(len(ranks))]  # (time, rank): when a rank may have work
     while wake:  # every end, and every arrival one hop later, wakes the ranks it concerns
         now = wake[0][0]
         due = set()
         while wake and wake[0][0] <= now + _TOLERANCE:
             due.add(heapq.heappop(wake)[1])
-        for index in sorted(due):
-            state = ranks[index]
+        for rank in sorted(due):
+            state = ranks[rank]
             if state.free_at > now:  # its own end wakes it again
-                heapq.heappush(wake, (state.free_at, index))
+                heapq.heappush(wake, (state.free_at, rank))
                 continue
             if not state.rest:
                 continue
-            action = _pick(state, table, costs.comm, finished, now, cap, delta, window)
+            action = _pick(state, shape, finished, now)
             if action is None:
                 continue
-            if not state.out:
-                state.first = now
-            end = now + state.durations[action.kind]
-            state.free_at = end
-            state.memory += delta[action.kind]
-            state.out.append(action)
-            if action.kind is F:
-                state.forwards[state.stages.index(action.stage)] += 1
-            key = table[action][0]
-            finished[key] = end
-            heapq.heappush(wake, (end, index))
-            for rank, delay in wakes.get(key, ()):
-                if ranks[rank].free_at < end + delay:  # else its own end wakes it after this
-                    heapq.heappush(wake, (end + delay, rank))
+            _run(state, action, shape, now, finished)
+            heapq.heappush(wake, (state.free_at, rank))
+            for woken, delay in wakes[index.key[action]]:
+                if ranks[woken].free_at < state.free_at + delay:  # else its own end wakes it
+                    heapq.heappush(wake, (state.free_at + delay, woken))
     if any(r.rest for r in ranks):
-        stuck = [(i, r.rest[0]) for i, r in enumerate(ranks) if r.rest]
+        stuck = [(i, index.actions[r.rest[0]]) for i, r in enumerate(ranks) if r.rest]
         raise ScheduleError(f"memory limit {cap:g} chunk-activations leaves ranks waiting: {stuck[:4]}")
     busy = [r for r in ranks if r.out]
     makespan = max((r.free_at for r in busy), default=0.0) - min((r.first for r in busy), default=0.0)
-    return Replay(tuple(tuple(r.out) for r in ranks), makespan)
+    return Replay(index.decode([r.out for r in ranks]), makespan)
 
 
-def _pick(state: _Rank, table, comm, finished, now, cap, delta, window) -> Action | None:
-    """The first pass within ``window`` of the head that is ready at ``now`` and fits."""
+def _run(state: _Rank, action: int, shape: _Shape, now: float, finished: list) -> None:
+    """``state`` runs ``action`` from ``now``."""
+    index = shape.index
+    if not state.out:
+        state.first = now
+    state.free_at = now + shape.duration[action]
+    state.memory += shape.step[action]
+    state.out.append(action)
+    if index.kind[action] is F:
+        state.forwards[index.chunk[action]] += 1
+    finished[index.key[action]] = state.free_at
+
+
+def _pick(state: _Rank, shape: _Shape, finished: list, now: float) -> int | None:
+    """The first pass within the window of the head that is ready at ``now`` and fits."""
     limit = now + _TOLERANCE
-    rest = state.rest
-    for position in range(min(window, len(rest))):
+    rest, dep, delay, kind = state.rest, shape.index.dep, shape.delay, shape.index.kind
+    for position in range(min(shape.window, len(rest))):
         action = rest[position]
-        if action.kind is F and not _fits(state, action, cap, delta, window > 1):
+        if kind[action] is F and not _fits(state, shape.index.chunk[action], shape):
             continue
-        _, dep, remote = table[action]
-        if dep is not None:
-            done = finished.get(dep)
-            if done is None or done + (comm if remote else 0.0) > limit:
+        d = dep[action]
+        if d >= 0:
+            done = finished[d]
+            if done < 0.0 or done + delay[action] > limit:
                 continue
         return rest.pop(position)
     return None
 
 
-def _fits(state: _Rank, action: Action, cap: float, delta: dict, owed_rule: bool) -> bool:
-    """Whether a forward keeps the rank within ``cap``. With lookahead, a chunk-0 forward must
+def _fits(state: _Rank, chunk: int, shape: _Shape) -> bool:
+    """Whether a forward keeps the rank within the cap. With lookahead, a chunk-0 forward must
     also leave room for an owed chunk-1 forward; a strict replay (window 1) follows an order
     that already fits, and the rule would only block it."""
-    chunk = state.stages.index(action.stage)
-    owed = owed_rule and chunk == 0 and len(state.stages) == 2 and state.forwards[0] > state.forwards[1]
-    return state.memory + delta[F] * (1 + owed) <= cap + 1e-9
+    owed = shape.window > 1 and chunk == 0 and len(state.forwards) == 2 and \
+        state.forwards[0] > state.forwards[1]
+    return state.memory + shape.forward * (1 + owed) <= shape.cap + 1e-9

@@ -25,12 +25,14 @@ import operator
 from dataclasses import dataclass
 
 from .actions import Action, PassKind
-from .deps import hop_table
+from .costs import MemoryModel
+from .deps import hop_table, wake_table
 from .placement import Placement
 
 __all__ = ["PassIndex", "Dataflow", "Timing", "gather"]
 
 _KINDS = (PassKind.F, PassKind.B, PassKind.W, PassKind.BW)
+_MICROBATCH = operator.itemgetter(2)  # Action's field
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +50,9 @@ class PassIndex:
     key: tuple[int, ...]
     rank: tuple[int, ...]
     """The rank that runs the pass."""
+    chunk: tuple[int, ...]
+    """Which of its rank's chunks the pass's stage is."""
+    kind: tuple[PassKind, ...]
     slot: tuple[int, ...]
     """rank x 4 + the kind's place in (F, B, W, BW): where its duration is looked up."""
 
@@ -64,10 +69,18 @@ class PassIndex:
             dep.append(-1 if waits_for is None else ids[waits_for])
             remote.append(crosses)
             key.append(ids[completes])
-        rank = tuple(placement.rank_of(a.stage) for a in actions)
-        slot = tuple(4 * r + _KINDS.index(a.kind) for r, a in zip(rank, actions))
+        located = [placement.locate(a.stage) for a in actions]
+        rank = tuple(r for r, _ in located)
+        kind = tuple(a.kind for a in actions)
+        slot = tuple(4 * r + _KINDS.index(k) for r, k in zip(rank, kind))
         return PassIndex(placement, microbatches, actions, ids, tuple(dep), tuple(remote),
-                         tuple(key), rank, slot)
+                         tuple(key), rank, tuple(c for _, c in located), kind, slot)
+
+    @staticmethod
+    def for_orders(placement: Placement, orders) -> "PassIndex":
+        """The index of a shape that covers every microbatch ``orders`` name."""
+        last = max((max(map(_MICROBATCH, order)) for order in orders if order), default=0)
+        return PassIndex.of(placement, last + 1)
 
     def encode(self, orders) -> list[list[int]]:
         """Per-rank orders of actions as lists of ids."""
@@ -85,6 +98,15 @@ class PassIndex:
     def delays(self, comm: float) -> list[float]:
         """Per id, what its dependency's end is delayed by: one hop when it crosses ranks."""
         return gather((0.0, comm), self.remote)
+
+    def steps(self, memory: MemoryModel) -> list[float]:
+        """Per id, what the pass adds to its rank's activations (memory.deltas)."""
+        return gather(memory.deltas, self.kind)
+
+    def wakes(self, comm: float, kinds: frozenset) -> list[tuple]:
+        """Per completion id, the (rank, hop delay) of every pass of ``kinds`` that waits for
+        it (deps.wake_table): whom a finished pass wakes in the list schedulers."""
+        return _wakes(self, comm, kinds)
 
 
 @dataclass
@@ -165,6 +187,15 @@ class Dataflow:
             ptr[r], clock[r] = i, t
         stuck = next(((r, ptr[r]) for r in range(len(orders)) if ptr[r] < len(orders[r])), None)
         return Timing(starts, ends, stuck, done)
+
+
+@functools.lru_cache(maxsize=8)
+def _wakes(index: PassIndex, comm: float, kinds: frozenset) -> list[tuple]:
+    table = wake_table(index.placement, comm, index.microbatches, kinds)
+    out: list[tuple] = [()] * len(index.actions)
+    for key, woken in table.items():
+        out[index.ids[key]] = tuple(woken)
+    return out
 
 
 def gather(table, keys) -> list:

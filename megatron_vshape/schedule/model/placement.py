@@ -13,6 +13,7 @@ This is the only place that knows the V. With p ranks and two chunks per rank (p
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from .actions import ScheduleError
@@ -69,11 +70,11 @@ class Placement:
                 "with one rank there is no pipeline to schedule"
             )
 
-    @property
+    @functools.cached_property  # read per pass by the builders: computed once
     def chunks(self) -> int:
         return self.layout.chunks
 
-    @property
+    @functools.cached_property
     def num_stages(self) -> int:
         return self.ranks * self.chunks
 

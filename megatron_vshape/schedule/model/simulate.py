@@ -23,11 +23,11 @@ from .indexed import Dataflow, PassIndex, gather
 from .placement import Placement
 from .schedule import Schedule
 
-__all__ = ["SimResult", "simulate", "peak_memory", "action_durations", "pass_durations",
+__all__ = ["SimResult", "simulate", "peak_memory", "level_peak", "action_durations", "pass_durations",
            "time_orders", "DeadlockError"]
 
 
-_KIND, _MICROBATCH = operator.itemgetter(0), operator.itemgetter(2)  # Action's fields
+_KIND = operator.itemgetter(0)  # Action's field
 _COMPUTE = frozenset(k for k in PassKind if k.is_compute)
 
 
@@ -84,12 +84,15 @@ def action_durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, fl
 
 def peak_memory(schedule: Schedule, memory: MemoryModel = MemoryModel()) -> tuple[float, ...]:
     """Per-rank peak activation memory (units above) of the schedule's order."""
-    step = dict.fromkeys(PassKind, 0.0) | memory.deltas  # sends and receives change nothing
-    peaks = []
-    for actions in schedule.rank_actions:  # hot in the search: summed in C, in order
-        levels = itertools.accumulate(map(step.__getitem__, map(_KIND, actions)))
-        peaks.append(max(itertools.chain((0.0,), levels)) / schedule.placement.chunks)
-    return tuple(peaks)
+    return tuple(level_peak(map(_KIND, actions), memory) / schedule.placement.chunks
+                 for actions in schedule.rank_actions)
+
+
+def level_peak(kinds, memory: MemoryModel = MemoryModel()) -> float:
+    """The highest activation level (chunk-activations) a rank running passes of ``kinds`` in
+    order reaches; sends and receives change nothing. Hot in the search: summed in C."""
+    step = dict.fromkeys(PassKind, 0.0) | memory.deltas
+    return max(itertools.chain((0.0,), itertools.accumulate(map(step.__getitem__, kinds))))
 
 
 def _compute_orders(schedule: Schedule) -> list[tuple[Action, ...]]:
@@ -128,8 +131,7 @@ def simulate(
     """Time ``schedule`` under ``costs`` (default: F = B = W = 1, no comm)."""
     costs = costs or Costs.build(schedule.ranks)
     acts = _compute_orders(schedule)
-    microbatches = 1 + max((max(map(_MICROBATCH, order)) for order in acts if order), default=0)
-    index = PassIndex.of(schedule.placement, microbatches)
+    index = PassIndex.for_orders(schedule.placement, acts)
     durations = index.durations(action_durations(schedule, costs))
     orders = index.encode(acts)
     timing = Dataflow(index, durations, costs.comm).time(orders)

@@ -58,7 +58,7 @@ from typing import Callable
 
 from ..model.actions import PassKind, ScheduleError
 from ..build.blocks import V_HALF, V_MIN, V_ZB
-from ..build.compose import compose, repeat
+from ..build.compose import compose, repeated_kinds
 from ..build.named import paper_schedule
 from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
@@ -70,7 +70,7 @@ from ..build.wave import wave_schedule
 from ..build.wfill import defer_weight_passes
 from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
-from ..model.simulate import SimResult, peak_memory, simulate
+from ..model.simulate import SimResult, level_peak, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
 from .local import improve
 
@@ -123,6 +123,7 @@ two hop times and both memory models it won 42 of 72 points at p units, 2 of 72 
 none at V-Half's or 3p/4, and it costs about 0.3 s at p = 16, m = 64."""
 _EPS = 1e-9
 F, B = PassKind.F, PassKind.B
+_FIXED = (V_MIN, V_HALF, V_ZB)
 
 
 class InfeasibleMemoryError(ScheduleError):
@@ -240,9 +241,11 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
             pool.append(_Candidate(description, orders, peak, makespan, len(pool), result,
                                    replayable))
 
-    for family in (V_MIN, V_HALF, V_ZB):
+    for family in _FIXED:
         if _named_over(family, p, m, limit, memory):  # its peak is known: skip the build
             smallest.append((family.memory_bound(p), f"{family.name} block"))
+            continue
+        if _outgrown(family, p, limit):
             continue
         consider(f"{family.name} block", functools.partial(_named, family.name, p, m))
         if family is not V_ZB:
@@ -258,7 +261,7 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
                  functools.partial(compose, dataclasses.replace(block, memory_bound=limit), m))
     full = int(limit * placement.chunks + _EPS)  # the limit in chunk-activations
     relaid: set = set()  # orders already re-laid
-    for scale in _PERIOD_SCALES:
+    for scale in () if _outgrown(V_MIN, p, limit) else _PERIOD_SCALES:
         consider(f"continuous-offset block, period x{scale:g}",
                  functools.partial(_periodic, p, m, costs, scale))
     large = 6 * p * m > _LARGE_PASSES  # a replay costs time in proportion to the passes
@@ -392,6 +395,18 @@ def _named(name: str, p: int, m: int) -> tuple:
     return paper_schedule(name, p, m).rank_actions
 
 
+def _outgrown(family, p: int, limit: float) -> bool:
+    """Whether the next larger fixed block surely fits the limit (its bound is at most the
+    limit; a peak never exceeds the bound): then ``family``'s block, slot-reordered or not,
+    and below V-Half's memory level the continuous-offset blocks, lose to what the room
+    allows. Measured over the reference comparison's grid and the H100 and unbalanced costs
+    (p 4-16, m 8-128, 90 points at each of p units, V-Half's and V-Min's bound and 3p/4):
+    none of their candidates, nor what was built from them, was the fastest once that
+    larger block fitted."""
+    larger = _FIXED[_FIXED.index(family) + 1:]
+    return bool(larger) and larger[0].memory_bound(p) <= limit + _EPS
+
+
 def _named_over(family, p: int, m: int, limit: float, memory: MemoryModel) -> bool:
     """Whether a fixed block surely exceeds the limit. For m >= p (default memory model) its
     peak is exactly its bound, (p+4)//3, (p+2)//2 or p units (tests/test_search_pruning.py
@@ -453,8 +468,7 @@ def _steady(block, m: int) -> bool:
 def _probe_peak(block, m: int, memory: MemoryModel) -> float:
     """Peak memory of a short repeat: steady state is reached after a lifespan of microbatches."""
     short = min(m, _steady_microbatches(block))
-    schedule = Schedule("probe", Placement(block.ranks, Layout.V), short, repeat(block, short))
-    return max(peak_memory(schedule, memory))
+    return max(level_peak(kinds, memory) for kinds in repeated_kinds(block, short)) / Layout.V.chunks
 
 
 def _lifespan_bound(block) -> float:
