@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
+from ..model.indexed import PassIndex
 from ..model.placement import Layout, Placement
 from ..model.simulate import pass_durations
 
@@ -40,8 +41,14 @@ __all__ = ["wave_schedule", "WaveResult"]
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
 _EPS = 1e-9
+_F0, _F1, _B0, _B1 = 0, 1, 2, 3
+"""Codes of (kind, chunk) for the per-rank counts and ends (:func:`_code`)."""
 _BALANCING_ROUNDS = 64
 """At most this many balancing repeats (each must lower the worst bubble; a guard)."""
+
+
+def _code(kind: PassKind, chunk: int) -> int:
+    return 2 * (kind is B) + chunk
 
 
 @dataclass(frozen=True)
@@ -77,10 +84,14 @@ class _Run:
         self.first = [None] * p
         self.memory = [0.0] * p
         self.bubble = [0.0] * p
-        self.count = [{(F, 0): 0, (F, 1): 0, (B, 0): 0, (B, 1): 0} for _ in range(p)]
-        self.end: dict = {}
+        self.count = [[0, 0, 0, 0] for _ in range(p)]  # passes run, by _code(kind, chunk)
+        self.end = [[[] for _ in range(p)] for _ in range(4)]  # [code][rank][k]: end time
         self.pending = [deque() for _ in range(p)]
         self.out = [[] for _ in range(p)]
+        index = PassIndex.of(Placement(p, Layout.V), m)
+        self.actions = index.actions
+        self.first_id = {(kind, chunk, rank): index.first_id(kind, self._stage(rank, chunk))
+                         for kind in (F, B, W) for chunk in (0, 1) for rank in range(p)}
 
     # -- the V's dependencies ------------------------------------------------------------------
     def _source(self, kind: PassKind, chunk: int, rank: int):
@@ -95,28 +106,29 @@ class _Run:
         source = self._source(kind, chunk, rank)
         if source is None:
             return float("-inf")
-        end = self.end.get((kind, chunk, source, k))
-        return None if end is None else end + self.comm
+        ends = self.end[_code(kind, chunk)][source]
+        return ends[k] + self.comm if k < len(ends) else None
 
     def _local_inputs_done(self, kind: PassKind, chunk: int, rank: int, k: int) -> bool:
         """A B follows its own F; at the V's turn (last rank) chunk 1 follows chunk 0."""
         count = self.count[rank]
-        if kind is B and count[(F, chunk)] <= k:
+        if kind is B and count[chunk] <= k:
             return False
-        if rank == self.p - 1 and ((kind is F and chunk == 1 and count[(F, 0)] <= k)
-                                   or (kind is B and chunk == 0 and count[(B, 1)] <= k)):
+        if rank == self.p - 1 and ((kind is F and chunk == 1 and count[_F0] <= k)
+                                   or (kind is B and chunk == 0 and count[_B1] <= k)):
             return False
         return True
 
     def _input_ready(self, kind: PassKind, chunk: int, rank: int) -> bool:
         """Whether the rank's next pass of (kind, chunk) has its inputs scheduled."""
-        k = self.count[rank][(kind, chunk)]
+        k = self.count[rank][_code(kind, chunk)]
         return self._arrival(kind, chunk, rank, k) is not None and \
             self._local_inputs_done(kind, chunk, rank, k)
 
     # -- placing passes ------------------------------------------------------------------------
     def put(self, kind: PassKind, chunk: int, rank: int) -> None:
-        k = self.count[rank][(kind, chunk)]
+        code = _code(kind, chunk)
+        k = self.count[rank][code]
         if k >= self.m:
             raise ScheduleError(f"wave: rank {rank} has no {kind.name} of chunk {chunk} left")
         if self.memory[rank] + self.delta[kind] > self.cap + _EPS:
@@ -127,11 +139,11 @@ class _Run:
             raise ScheduleError(f"wave: rank {rank}'s {kind.name}{chunk} of microbatch {k} "
                                 "would run before its input exists")
         start = max(self.now[rank], arrival)
-        if self.count[rank][(F, 0)]:
+        if self.count[rank][_F0]:
             self.bubble[rank] += start - self.now[rank]
-        self._run(rank, Action(kind, self._stage(rank, chunk), k), start)
-        self.count[rank][(kind, chunk)] += 1
-        self.end[(kind, chunk, rank, k)] = self.now[rank]
+        self._run(rank, kind, self.actions[self.first_id[kind, chunk, rank] + k], start)
+        self.count[rank][code] += 1
+        self.end[code][rank].append(self.now[rank])
         if kind is B:
             self.pending[rank].append((chunk, k))
 
@@ -139,13 +151,13 @@ class _Run:
         if not self.pending[rank]:
             raise ScheduleError(f"wave: memory limit {self.cap:g} leaves rank {rank} stuck")
         chunk, k = self.pending[rank].popleft()
-        self._run(rank, Action(W, self._stage(rank, chunk), k), self.now[rank])
+        self._run(rank, W, self.actions[self.first_id[W, chunk, rank] + k], self.now[rank])
 
-    def _run(self, rank: int, action: Action, start: float) -> None:
+    def _run(self, rank: int, kind: PassKind, action: Action, start: float) -> None:
         if self.first[rank] is None:
             self.first[rank] = start
-        self.now[rank] = start + self.durations[rank][action.kind]
-        self.memory[rank] += self.delta[action.kind]
+        self.now[rank] = start + self.durations[rank][kind]
+        self.memory[rank] += self.delta[kind]
         self.out[rank].append(action)
 
     def _stage(self, rank: int, chunk: int) -> int:
@@ -156,7 +168,7 @@ class _Run:
 
     def _fill(self, kind: PassKind, chunk: int, rank: int, extra: bool) -> None:
         """W passes into the wait before (kind, chunk) on ``rank`` (module doc)."""
-        arrival = self._arrival(kind, chunk, rank, self.count[rank][(kind, chunk)])
+        arrival = self._arrival(kind, chunk, rank, self.count[rank][_code(kind, chunk)])
         if arrival is None or arrival == float("-inf"):
             return
         w = self.durations[rank][W]
@@ -168,7 +180,7 @@ class _Run:
             self.put_w(rank)
 
     def _remaining(self) -> int:
-        return sum(2 * 2 * self.m - sum(count.values()) for count in self.count)
+        return sum(2 * 2 * self.m - sum(count) for count in self.count)
 
     def _make_room(self, rank: int, kind: PassKind) -> None:
         while self.memory[rank] + self.delta[kind] > self.cap + _EPS:
@@ -196,10 +208,10 @@ class _Run:
             self.put(F, 0, rank)
         for rank in reversed(range(p)):
             if rank < p - 1:
-                arrival = self.end[(F, 1, rank + 1, 0)] + self.comm
+                arrival = self.end[_F1][rank + 1][0] + self.comm
                 while (self.memory[rank] + f * (2 + 2 * rank) <= self.cap + _EPS
                        and self.now[rank] + self.durations[rank][F] <= arrival
-                       and self.count[rank][(F, 0)] < m):
+                       and self.count[rank][_F0] < m):
                     for earlier in range(rank + 1):
                         self.put(F, 0, earlier)
             self.put(F, 1, rank)
@@ -216,7 +228,7 @@ class _Run:
     def _try_forward(self, chunk: int, rank: int) -> bool:
         """Run the rank's next forward of ``chunk`` in the warm-up if it exists, its input was
         produced and it fits the limit (a tight limit ends the catching up early)."""
-        if self.count[rank][(F, chunk)] >= self.m or not self._input_ready(F, chunk, rank) or \
+        if self.count[rank][chunk] >= self.m or not self._input_ready(F, chunk, rank) or \
                 self.memory[rank] + self._room_for_forward(rank, chunk) > self.cap + _EPS:
             return False
         self.put(F, chunk, rank)
@@ -224,8 +236,8 @@ class _Run:
 
     def _behind(self, rank: int) -> bool:
         mine, theirs = self.count[rank], self.count[rank - 1]
-        total = mine[(F, 0)] + mine[(F, 1)] < theirs[(F, 0)] + theirs[(F, 1)]
-        return total or mine[(F, 1)] <= theirs[(F, 1)] < self.m
+        total = mine[_F0] + mine[_F1] < theirs[_F0] + theirs[_F1]
+        return total or mine[_F1] <= theirs[_F1] < self.m
 
     def _backward_round(self) -> None:
         for rank in range(self.p):
@@ -233,15 +245,15 @@ class _Run:
         chunk0, chunk1 = [], []
         for rank in range(self.p):
             count = self.count[rank]
-            if count[(B, 0)] >= count[(B, 1)]:
+            if count[_B0] >= count[_B1]:
                 chunk1.append(rank)
-            elif rank == self.p - 1 or count[(B, 1)] >= self.m or \
-                    (B, 0, rank + 1, count[(B, 0)]) in self.end:
+            elif rank == self.p - 1 or count[_B1] >= self.m or \
+                    count[_B0] < len(self.end[_B0][rank + 1]):
                 chunk0.append(rank)
             else:
                 chunk1.append(rank)
         for rank, chunk in [(r, 0) for r in reversed(chunk0)] + [(r, 1) for r in chunk1]:
-            if self.count[rank][(B, chunk)] >= self.m or not self._input_ready(B, chunk, rank):
+            if self.count[rank][_code(B, chunk)] >= self.m or not self._input_ready(B, chunk, rank):
                 continue  # its input is not there yet (a tight limit delayed a forward)
             self._fill(B, chunk, rank, extra=chunk == 0 or self.rules.fill_b)
             self.put(B, chunk, rank)
@@ -263,18 +275,18 @@ class _Run:
         """Memory a forward needs: a chunk-0 F also keeps room for the chunk-1 forwards the
         rank owes, or under a tight limit the V deadlocks (no rank can run its chunk-1 F)."""
         count = self.count[rank]
-        owed = count[(F, 0)] - count[(F, 1)] if chunk == 0 and self.rules.keep_room else 0
+        owed = count[_F0] - count[_F1] if chunk == 0 and self.rules.keep_room else 0
         return self.delta[F] * (1 + owed)
 
     def _next_forward(self, rank: int):
         count = self.count[rank]
-        if count[(F, 1)] >= self.m:
+        if count[_F1] >= self.m:
             return None
-        if count[(F, 1)] >= count[(F, 0)]:
+        if count[_F1] >= count[_F0]:
             return 0
-        if rank == self.p - 1 or (F, 1, rank + 1, count[(F, 1)]) in self.end:
+        if rank == self.p - 1 or count[_F1] < len(self.end[_F1][rank + 1]):
             return 1
-        if count[(F, 0)] < self.m and (rank == 0 or (F, 0, rank - 1, count[(F, 0)]) in self.end):
+        if count[_F0] < self.m and (rank == 0 or count[_F0] < len(self.end[_F0][rank - 1])):
             return 0
         return None
 

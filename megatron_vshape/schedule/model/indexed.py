@@ -61,7 +61,8 @@ class PassIndex:
     def of(placement: Placement, microbatches: int) -> "PassIndex":
         """The index of a shape, built once and shared read-only."""
         table = hop_table(placement, microbatches)
-        actions = tuple(table)
+        actions = tuple(Action(kind, stage, mb) for kind in _KINDS
+                        for stage in range(placement.num_stages) for mb in range(microbatches))
         ids = {action: i for i, action in enumerate(actions)}
         dep, remote, key = [], [], []
         for action in actions:
@@ -81,6 +82,11 @@ class PassIndex:
         """The index of a shape that covers every microbatch ``orders`` name."""
         last = max((max(map(_MICROBATCH, order)) for order in orders if order), default=0)
         return PassIndex.of(placement, last + 1)
+
+    def first_id(self, kind: PassKind, stage: int) -> int:
+        """The id of microbatch 0's pass of ``kind`` on ``stage``; microbatch k's is k more
+        (ids are laid out kind by kind, in (F, B, W, BW) order, then stage, then microbatch)."""
+        return (_KINDS.index(kind) * self.placement.num_stages + stage) * self.microbatches
 
     def encode(self, orders) -> list[list[int]]:
         """Per-rank orders of actions as lists of ids."""
