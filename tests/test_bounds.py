@@ -52,18 +52,36 @@ def test_p16_unbalanced_target_is_unreachable_for_large_m(comm, m):
 
 def test_fill_and_drain_rule_out_v_zb_at_092_of_1f1b_for_p4_m32():
     """Issue 15's real-cost target v-zb <= 0.92 x 1F1B (costs 2,2.78,0.7,0.05, m = 8p) cannot be
-    met at p = 4 under the default memory model: rank 3 starts after 3 x (1 + 0.05), computes
-    32 x 5.48, and its last B is followed by 3 x 1.39 + 3 x 0.05 of drain, of which at most 8
-    deferred W passes (0.35 each, one chunk-activation each within 4 units) hide 2.8: 180.03,
-    0.926 x 1F1B's 194.4. When B frees three quarters (1,-0.75,-0.25), 32 W fit and the floor
-    falls to 178.51 (0.918): no proof there."""
+    met at p = 4 under either memory model. Rank 3 starts after 3 x (1 + 0.05) = 3.15. Its
+    first gradient comes back after the 8 forwards and 6 hops to the loss (8.3) and the B
+    passes of stages 7, 6, 5 with their 3 hops (4.32): until 12.62 it can run only the 8
+    forwards its 4 units hold, so it waits 1.47 more. It computes 32 x 5.48; its last B is
+    followed by 3 x 1.39 + 3 x 0.05 of drain, of which at most 8 deferred W passes (0.35
+    each, one chunk-activation each) hide 2.8: 181.5, 0.934 x 1F1B's 194.4. When B frees
+    three quarters (1,-0.75,-0.25), 32 W fit and hide the drain: 179.98, still 0.926 x."""
     p, m = 4, 32
     c = Costs.build(p, 2, 2.78, 0.7, 0.05)
     one = simulate(build_schedule("1f1b", p, m), c).makespan
     floor = makespan_floor(Placement(p, Layout.V), m, c, p)
-    assert floor == pytest.approx(180.03) and floor > 0.92 * one
+    assert floor == pytest.approx(181.5) and floor > 0.92 * one
     frees = MemoryModel(1, -0.75, -0.25)
-    assert makespan_floor(Placement(p, Layout.V), m, c, p, frees) == pytest.approx(178.51)
+    floor = makespan_floor(Placement(p, Layout.V), m, c, p, frees)
+    assert floor == pytest.approx(179.98) and floor > 0.92 * one
+
+
+@pytest.mark.parametrize("p,default,frees", [(8, 0.9259, 0.9145), (16, 0.9221, 0.9090)])
+def test_fill_and_drain_rule_out_v_zb_at_092_of_1f1b_at_m_8p(p, default, frees):
+    """The same target at p = 8 and 16 (m = 8p): out of reach under the default memory model
+    (the last rank waits for its first gradient with its p units full: 3.43 at p = 8); when B
+    frees three quarters the floor is below 0.92 (no proof there)."""
+    m = 8 * p
+    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    one = simulate(build_schedule("1f1b", p, m), c).makespan
+    placement = Placement(p, Layout.V)
+    assert makespan_floor(placement, m, c, p) / one == pytest.approx(default, abs=1e-4)
+    assert makespan_floor(placement, m, c, p, MemoryModel(1, -0.75, -0.25)) / one == \
+        pytest.approx(frees, abs=1e-4)
+    assert default > 0.92 > frees
 
 
 def test_little_rules_out_v_min_at_110_of_1f1b_for_p16_m128():

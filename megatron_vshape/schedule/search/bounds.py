@@ -61,12 +61,16 @@ def fill_and_drain_floor(placement: Placement, microbatches: int, costs: Costs, 
     """The pipeline's fill and drain, which no order hides completely.
 
     Rank r can start nothing before the first microbatch's forwards reach one of its stages
-    (``start``). After its last B the rank runs only W passes, while the gradient still walks
-    down to stage 0 (``drain``: the B passes of the stages below, one hop per rank crossing);
-    W passes deferred past that B fill the drain, but each one holds its activation's leftover
-    (``-memory.weight``), so at most ``limit`` worth of them wait. Hence, on every rank::
+    (``start``). Until the first gradient comes back to one of its stages (``first_b``: every
+    forward of the pipeline, then the backwards down to that stage) it can run forwards only,
+    and each holds its activation, so at most the limit's worth of them (``warm``: the rest
+    of that time it waits). After its last B it runs only W passes, while the gradient still
+    walks down to stage 0 (``drain``: the B passes of the stages below, one hop per rank
+    crossing); W passes deferred past that B fill the drain, but each one holds its
+    activation's leftover (``-memory.weight``), so at most ``limit`` worth of them wait. The
+    three waits are apart in time, hence, on every rank::
 
-        makespan >= start + the rank's compute + max(0, drain - deferrable W time)
+        makespan >= start + warm + the rank's compute + max(0, drain - deferrable W time)
     """
     chunks, stages = placement.chunks, placement.num_stages
     owner = [placement.rank_of(s) for s in range(stages)]
@@ -79,12 +83,16 @@ def fill_and_drain_floor(placement: Placement, microbatches: int, costs: Costs, 
     held = -memory.weight
     waiting = chunks * microbatches if held <= 0 else \
         min(chunks * microbatches, int(limit * chunks / held + 1e-9))
+    forwards = min(chunks * microbatches, int(limit * chunks / memory.forward + 1e-9))
+    loss = sum(f) + hops(0, stages - 1) * costs.comm  # the first microbatch reaches the loss
     floor = 0.0
     for rank in range(placement.ranks):
         own = [placement.stage_of(rank, c) for c in range(chunks)]
         start = min(sum(f[:s]) + hops(0, s) * costs.comm for s in own)
+        first_b = min(loss + sum(b[s + 1:]) + hops(s, stages - 1) * costs.comm for s in own)
+        warm = max(0.0, first_b - start - forwards * costs.forward[rank] / chunks)
         drain = min(sum(b[:s]) + hops(0, s) * costs.comm for s in own)
         compute = microbatches * (costs.forward[rank] + costs.backward[rank] + costs.weight[rank])
         deferrable = waiting * costs.weight[rank] / chunks
-        floor = max(floor, start + compute + max(0.0, drain - deferrable))
+        floor = max(floor, start + warm + compute + max(0.0, drain - deferrable))
     return floor
