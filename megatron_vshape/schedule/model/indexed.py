@@ -125,6 +125,8 @@ class Timing:
     stuck: tuple[int, int] | None
     done: list[float]
     """End time by completion id (-1.0: not run); what :meth:`Dataflow.retime` starts from."""
+    timed: int
+    """How many passes this timing computed (the rest were kept from an earlier one)."""
 
 
 class Dataflow:
@@ -161,6 +163,7 @@ class Dataflow:
         """Advance every rank from ``ptr`` until it blocks, waking the ranks that wait for
         what it ends; ``done`` holds the end of every pass already timed (-1.0: not yet)."""
         dep, delay, duration, key = self.index.dep, self.delay, self.duration, self.index.key
+        kept = sum(ptr)
         waiter: list = [None] * len(done)  # ranks blocked on a completion id
         pending = list(range(len(orders)))
         while pending:  # the search's hot loop: list lookups only
@@ -192,7 +195,7 @@ class Dataflow:
                 i += 1
             ptr[r], clock[r] = i, t
         stuck = next(((r, ptr[r]) for r in range(len(orders)) if ptr[r] < len(orders[r])), None)
-        return Timing(starts, ends, stuck, done)
+        return Timing(starts, ends, stuck, done, sum(ptr) - kept)
 
 
 @functools.lru_cache(maxsize=8)

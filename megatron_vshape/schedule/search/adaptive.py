@@ -86,7 +86,7 @@ _REPLAY_WINDOWS = (4,)
 _REPLAY_SLACK = (0, 1)
 _PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
 _POLISHED = 3
-_FILLED = 3
+_FILLED = 5
 """The fastest candidates (distinct orders) whose W passes are deferred (wfill.py), after the
 last polish, so that the search up to there is unchanged and the deferred orders can only add
 wins (0.003-0.12 s each at p = 4-16, m = 4p-8p). Deferred before the polish instead, they took

@@ -31,6 +31,8 @@ from ..model.simulate import pass_durations
 __all__ = ["Improved", "improve"]
 
 _EPS = 1e-9
+_MOVE_COST = 100
+"""A move's fixed cost in passes timed (about 10 us: building and checking it)."""
 W = PassKind.W
 _KINDS = (PassKind.F, PassKind.B, PassKind.W, PassKind.BW)
 
@@ -46,8 +48,7 @@ class Improved:
 class _Search:
     """One local search (module doc): the current orders (as pass ids, indexed.py), their
     timing and the move loop. A move re-times only what starts at or after the first pass it
-    touches; the budget still counts every pass of the schedule per timing, so results do
-    not depend on how much of it is re-timed."""
+    touches, and the budget counts the passes re-timed (plus ``overhead`` per move)."""
 
     def __init__(self, placement: Placement, m: int, orders, costs: Costs, cap: float,
                  memory: MemoryModel, window: int):
@@ -62,7 +63,9 @@ class _Search:
                       for a in index.actions]  # passes of one kind and stage; W passes none
         self.orders = index.encode(orders)
         self.completer = {index.key[a]: a for order in self.orders for a in order}
-        self.passes = sum(len(o) for o in self.orders)
+        self.overhead = _MOVE_COST + sum(map(len, self.orders)) // 8
+        """What a move costs besides the passes it re-times, in passes: building it, and
+        copying and summing the schedule's lists (about an eighth of timing all of it)."""
         self.timed = 0
         self.score, self.timing = self._evaluate(self.orders, None)
 
@@ -70,9 +73,9 @@ class _Search:
     def _evaluate(self, orders, cut):
         """(score, timing), or (None, None) when the orders deadlock; with ``cut``, only what
         starts at or after it in the current timing is timed again."""
-        self.timed += self.passes
         timing = self.flow.time(orders) if cut is None else \
             self.flow.retime(orders, self.timing, cut)
+        self.timed += timing.timed + self.overhead
         if timing.stuck is not None:
             return None, None
         starts, ends = timing.starts, timing.ends
@@ -169,8 +172,11 @@ class _Search:
         accepted = self.descend(budget)
         best = (self.score, self.orders, self.timing)
         while self.timed < budget:
+            before = self.timed
             self.kick(rng, kicks)
             accepted += self.descend(budget)
+            if self.timed == before:
+                break  # no legal move left to try: nothing more to find
             if self.score < best[0]:
                 best = (self.score, self.orders, self.timing)
             else:
