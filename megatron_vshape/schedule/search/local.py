@@ -5,7 +5,8 @@ them looks at the result and asks which single pass, placed elsewhere, would sho
 does, starting from any valid order:
 
     gaps       time the orders; wherever a rank sits idle before a pass, that pass waits for
-               a dependency (or for the memory a later W frees)
+               a dependency (or for the memory a later W frees); the gaps on the critical
+               path (from the last pass back, each pass's binding predecessor) come first
     moves      fill the gap with a later pass of the same rank that is ready sooner, or move
                the awaited pass earlier on its own rank (within ``window`` positions)
     accept     the first move that keeps every rank within ``cap`` chunk-activations, does not
@@ -33,6 +34,12 @@ __all__ = ["Improved", "improve"]
 _EPS = 1e-9
 _MOVE_COST = 100
 """A move's fixed cost in passes timed (about 10 us: building and checking it)."""
+_MANY_TIMINGS = 1000
+"""Below this many passes of budget per pass of the schedule, the budget buys one partial
+descent, and that descent takes the critical path's gaps first (p 8-16 at H100 and
+unbalanced costs: faster at 33 of 34 changed points, by up to 2.8%); from it (small
+schedules: hundreds of full timings, many descents) all gaps biggest first, which reached
+the better basins at p = 4 (m 8-16: 7 of 9 changed points slower with critical-first)."""
 W = PassKind.W
 _KINDS = (PassKind.F, PassKind.B, PassKind.W, PassKind.BW)
 
@@ -67,6 +74,7 @@ class _Search:
         """What a move costs besides the passes it re-times, in passes: building it, and
         copying and summing the schedule's lists (about an eighth of timing all of it)."""
         self.timed = 0
+        self.critical_first = True
         self.score, self.timing = self._evaluate(self.orders, None)
 
     # -- objective ---------------------------------------------------------------------------
@@ -93,17 +101,19 @@ class _Search:
 
     # -- moves -------------------------------------------------------------------------------
     def _moves(self):
-        """(rank, from, to) moves of one pass earlier on its rank, biggest gaps first."""
+        """(rank, from, to) moves of one pass earlier on its rank: the gaps on the critical
+        path first (only they can shorten the makespan), each group biggest first."""
+        critical = self._critical_path() if self.critical_first else set()
         gaps = []
         for r, order in enumerate(self.orders):
             starts, ends = self.timing.starts[r], self.timing.ends[r]
             for i in range(1, len(order)):
                 idle = starts[i] - ends[i - 1]
                 if idle > _EPS:
-                    gaps.append((-idle, r, i))
+                    gaps.append(((r, i) not in critical, -idle, r, i))
         gaps.sort()
         dep, rank = self.index.dep, self.index.rank
-        for _, r, i in gaps:
+        for _, _, r, i in gaps:
             order = self.orders[r]
             for j in range(i + 1, min(len(order), i + 1 + self.window)):
                 yield r, j, i  # fill the gap with a later pass
@@ -114,6 +124,28 @@ class _Search:
             k = self.orders[q].index(self.completer[waited])
             for to in range(k - 1, max(-1, k - 1 - self.window), -1):
                 yield q, k, to  # the awaited pass earlier on its rank
+
+    def _critical_path(self) -> set:
+        """(rank, position) of the passes on the critical path: back from the last pass to
+        end, each pass's binding predecessor (its dependency when that ended, plus the hop,
+        exactly at its start, else the pass before it on its rank)."""
+        index, timing, delay = self.index, self.timing, self.flow.delay
+        where = {index.key[a]: (r, i) for r, order in enumerate(self.orders)
+                 for i, a in enumerate(order)}
+        r = max((q for q in range(len(self.orders)) if self.orders[q]),
+                key=lambda q: timing.ends[q][-1])
+        i = len(self.orders[r]) - 1
+        path = set()
+        while True:
+            path.add((r, i))
+            action, start = self.orders[r][i], timing.starts[r][i]
+            d = index.dep[action]
+            if d >= 0 and timing.done[d] + delay[action] == start:
+                r, i = where[d]
+            elif i > 0 and timing.ends[r][i - 1] == start:
+                i -= 1
+            else:
+                return path
 
     def _moved(self, r: int, j: int, i: int):
         """Rank r's order with the pass at j moved to i < j, or None when not allowed: not
@@ -165,11 +197,14 @@ class _Search:
             i = max(0, j - rng.randint(1, self.window))
             done += self._try(r, j, i, lambda score: True)
 
-    def run(self, budget: int, kicks: int) -> int:
-        """Descend; then, while the budget lasts, kick and descend again from the best found
-        (iterated local search; the generator is seeded, so runs repeat)."""
+    def run(self, budget: int, kicks: int, critical_first: bool = True) -> int:
+        """Descend (the critical path's gaps first, or not); then, while the budget lasts,
+        kick and descend again from the best found (iterated local search; the generator is
+        seeded, so runs repeat)."""
         rng = random.Random(0)
+        self.critical_first = critical_first
         accepted = self.descend(budget)
+        self.critical_first = False  # after a kick, gaps anywhere: across the plateaus
         best = (self.score, self.orders, self.timing)
         while self.timed < budget:
             before = self.timed
@@ -194,5 +229,7 @@ def improve(placement: Placement, microbatches: int, orders, costs: Costs, cap: 
         raise ScheduleError("local search: the starting orders deadlock")
     if any(not search._fits(o) for o in search.orders):
         raise ScheduleError(f"local search: the starting orders exceed {cap:g} chunk-activations")
-    moves = search.run(budget, kicks)
-    return Improved(search.index.decode(search.orders), search.score[0], moves)
+    scarce = budget < _MANY_TIMINGS * sum(map(len, search.orders))
+    moves = search.run(budget, kicks, critical_first=scarce)
+    score = search.score
+    return Improved(search.index.decode(search.orders), score[0], moves)
