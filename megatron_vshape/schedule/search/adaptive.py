@@ -4,11 +4,13 @@ Candidates, all V-shaped (two chunks per rank):
 
     fixed blocks     V-Min, V-Half, V-ZB as the registry builds them, and V-Min and V-Half
                      squeezed and reordered pass by pass as the paper's code does
-                     (slot_reorder.py)
+                     (slot_reorder.py); each only until the next larger one surely fits
+                     the limit (``_outgrown``)
     block family     offsets (k1, k2, split) of family.py, repeated, squeezed, cool-down reordered
     wave             V-ZB's cost-aware construction (wave.py) under the limit (at 1F1B's
                      memory, for small cases, and when nothing else fits)
-    continuous       periodic.py's cost-aware blocks (real-time offsets), a few periods
+    continuous       periodic.py's cost-aware blocks (real-time offsets), a few periods,
+                     below V-Half's bound
     timed replay     the best few of the above replayed in real time under the limit (timed.py),
                      which fills the stalls of unbalanced costs with W, B and fitting F passes:
                      the 4 fastest, plus the fastest of up to 2 other memory peaks, since
@@ -27,7 +29,7 @@ Candidates, all V-shaped (two chunks per rank):
     polished         the 3 fastest of all the above, improved by the local search (local.py),
                      then the fastest of all (re-laid first if it is not yet) polished once
                      more with a larger budget
-    W deferred       the 3 fastest of all with every W moved to where its rank would wait
+    W deferred       the 5 fastest of all with every W moved to where its rank would wait
                      (wfill.py): the backlog the steady state builds within the candidate's
                      own peak fills the cool-down's waits for the last gradients (H100 costs
                      2,2.78,0.7,0.05, p = 8, m = 64 at V-Half's memory: 1.043 -> 0.999 x
@@ -89,7 +91,9 @@ _POLISHED = 3
 _FILLED = 5
 """The fastest candidates (distinct orders) whose W passes are deferred (wfill.py), after the
 last polish, so that the search up to there is unchanged and the deferred orders can only add
-wins (0.003-0.12 s each at p = 4-16, m = 4p-8p). Deferred before the polish instead, they took
+wins (0.003-0.12 s each at p = 4-16, m = 4p-8p; with 3, a relaid family block that the
+deferral makes fastest fell out of them once the polishes improved the others: v-half at
+p = 16, m = 64, H100 costs, 0.990 -> 0.992 x 1F1B). Deferred before the polish instead, they took
 the polish's starts from orders that polished better: V-Half at p = 4, m = 16, H100 costs
 0.950 -> 0.953 x 1F1B, V-Min at costs 1,1.2,0.8: 61.0 -> 61.1. Each is deferred within its own
 peak, not the limit: the same makespans at the named levels (where the peak is the limit),
@@ -101,7 +105,8 @@ _RELAID_LARGE = 1
 every finished construction (slot-reordered blocks, the wave); over 12,000 passes only the
 fastest (a re-lay times the order twice: p = 32, m = 256 took 12.6 s instead of 9.6 s)."""
 _POLISH_BUDGET = 100_000
-"""Passes the local search may time per start (about 0.1 s; a bound, so results repeat)."""
+"""Passes the local search may time per start (a bound, so results repeat; local.py counts
+what each move re-times and costs: about 10 ms per 100,000)."""
 _FINAL_POLISH_BUDGET = 600_000
 """Passes for polishing the winner once more (about 0.4 s): at p = 4, m = 16, costs 1,1.2,0.8
 at V-Min's memory it takes the makespan from 61.4 to issue 3's best known (CP-SAT) 61.1, and
