@@ -74,6 +74,7 @@ from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, level_peak, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
+from .freed import FULL_SEARCH_PASSES, freeing_nothing_at_b, refined_under
 from .local import improve
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
@@ -177,42 +178,51 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
     return _search_cached(ranks, microbatches, costs, limit, memory, shapes)
 
 
-def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
-    """The model whose B frees nothing (the default's shape, same forward), when ``memory``'s
-    B frees something; else None. A rank's level after any prefix of its order is F count x f
-    + B count x b + W count x w with w = -(f + b), and a prefix holds at least as many B as W,
-    so a more negative b only lowers it: every order within a limit under this model is within
-    it under ``memory``, and its fastest order is a candidate there too (a model that frees
-    more at B is then never slower than the default one)."""
-    if memory.backward >= 0:
-        return None
-    return MemoryModel(memory.forward, 0.0, -memory.forward)
-
-
 @functools.lru_cache(maxsize=256)
 def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
                    shapes: bool = True) -> SearchResult:
-    """The search under ``memory``; under a model whose B frees memory, also the fastest order
-    of the model that frees nothing at B (:func:`freeing_nothing_at_b`), re-timed."""
+    """The search under ``memory``; under a model whose B frees memory, the default model's
+    answer re-timed, refined under ``memory`` (freed.py), and up to ``FULL_SEARCH_PASSES``
+    passes also the search under ``memory`` itself: the fastest of them."""
     base = freeing_nothing_at_b(memory)
-    try:
-        own = _search_one(p, m, costs, limit, memory, shapes)
-    except InfeasibleMemoryError:
-        if base is None:
-            raise
-        own = None
     if base is None:
-        return own
+        return _search_one(p, m, costs, limit, memory, shapes)
+    started = time.perf_counter()
+    found = []
     try:
         other = _search_cached(p, m, costs, limit, base, shapes)
+        found.append(dataclasses.replace(other, result=simulate(other.schedule, costs, memory)))
     except InfeasibleMemoryError:
-        if own is None:
-            raise
-        return own
-    result = simulate(other.schedule, costs, memory)
-    if own is None or result.makespan < own.result.makespan - _EPS:
-        return dataclasses.replace(other, result=result)
-    return own
+        pass
+    if not found or 6 * p * m <= FULL_SEARCH_PASSES:
+        try:
+            found.append(_search_one(p, m, costs, limit, memory, shapes))
+        except InfeasibleMemoryError:
+            if not found:
+                raise
+    fastest = functools.partial(min, key=lambda r: round(r.result.makespan, 9))  # ties: first
+    if shapes:
+        found.extend(_refined(fastest(found), costs, limit, memory, base))
+    best = fastest(found)
+    return dataclasses.replace(best, seconds=time.perf_counter() - started,
+                               candidates=sum(r.candidates for r in found))
+
+
+def _refined(result: SearchResult, costs: Costs, limit: float, memory: MemoryModel,
+             base: MemoryModel) -> list[SearchResult]:
+    """``result`` refined under ``memory`` (freed.py) within its peak under ``base``."""
+    schedule = result.schedule
+    chunks = schedule.placement.chunks
+    cap = min(limit, max(peak_memory(schedule, base))) * chunks
+    passes = 6 * schedule.placement.ranks * schedule.microbatches
+    budget = _FINAL_POLISH_LARGE if passes >= _FINAL_POLISH_LARGE_PASSES else _FINAL_POLISH_BUDGET
+    head, _, tail = schedule.description.rpartition(" (limit")
+    out = []
+    for how, orders in refined_under(schedule, costs, memory, cap,
+                                     min(budget, _BUDGET_PER_PASS * passes)):
+        refined = schedule.with_actions(orders, description=f"{head}, {how} (limit{tail}")
+        out.append(SearchResult(refined, simulate(refined, costs, memory), 0.0, 1))
+    return out
 
 
 def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,

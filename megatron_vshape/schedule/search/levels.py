@@ -28,7 +28,8 @@ from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
 from ..model.simulate import peak_memory, simulate
-from .adaptive import _search_cached, freeing_nothing_at_b, search
+from .adaptive import _search_cached, search
+from .freed import freeing_nothing_at_b
 from .local import improve
 
 __all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level", "clear_caches"]
