@@ -214,12 +214,11 @@ def _refined(result: SearchResult, costs: Costs, limit: float, memory: MemoryMod
     schedule = result.schedule
     chunks = schedule.placement.chunks
     cap = min(limit, max(peak_memory(schedule, base))) * chunks
-    passes = 6 * schedule.placement.ranks * schedule.microbatches
-    budget = _FINAL_POLISH_LARGE if passes >= _FINAL_POLISH_LARGE_PASSES else _FINAL_POLISH_BUDGET
+    passes = sum(map(len, schedule.rank_actions))
     head, _, tail = schedule.description.rpartition(" (limit")
     out = []
-    for how, orders in refined_under(schedule, costs, memory, cap,
-                                     min(budget, _BUDGET_PER_PASS * passes)):
+    for how, orders in refined_under(schedule, costs, memory, cap, _capped(
+            _final_budget(schedule.placement.ranks, schedule.microbatches), passes)):
         refined = schedule.with_actions(orders, description=f"{head}, {how} (limit{tail}")
         out.append(SearchResult(refined, simulate(refined, costs, memory), 0.0, 1))
     return out
@@ -307,9 +306,8 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
     for base in _fresh([winner], relaid, shapes and "re-laid" not in winner.description):
         _relay(consider, placement, base, full, full, cool_down_alone=True)  # a replay won
         winner = min(pool, key=_key)
-    final = _FINAL_POLISH_LARGE if 6 * p * m >= _FINAL_POLISH_LARGE_PASSES else _FINAL_POLISH_BUDGET
     polish_further = functools.partial(_polish_further, consider, placement, m, costs,
-                                       limit * placement.chunks, memory, final)
+                                       limit * placement.chunks, memory, _final_budget(p, m))
     polish_further(winner)
     before_filling = len(pool)
     for base in _polish_bases(pool, _FILLED if shapes else 0):
@@ -357,8 +355,17 @@ def _polish_bases(pool: list[_Candidate], count: int) -> list[_Candidate]:
 def _polish(placement: Placement, m: int, orders, costs: Costs, cap: float,
             memory: MemoryModel, budget: int) -> tuple:
     passes = sum(len(order) for order in orders)
-    return improve(placement, m, orders, costs, cap, memory,
-                   min(budget, _BUDGET_PER_PASS * passes)).orders
+    return improve(placement, m, orders, costs, cap, memory, _capped(budget, passes)).orders
+
+
+def _final_budget(p: int, m: int) -> int:
+    """The last polish's budget: the smaller one from ``_FINAL_POLISH_LARGE_PASSES`` on."""
+    return _FINAL_POLISH_LARGE if 6 * p * m >= _FINAL_POLISH_LARGE_PASSES else _FINAL_POLISH_BUDGET
+
+
+def _capped(budget: int, passes: int) -> int:
+    """``budget``, at most ``_BUDGET_PER_PASS`` per pass of the schedule."""
+    return min(budget, _BUDGET_PER_PASS * passes)
 
 
 def _polish_further(consider: Callable, placement: Placement, m: int, costs: Costs, cap: float,
