@@ -109,20 +109,23 @@ def time_orders(placement: Placement, microbatches: int, acts, dur, comm: float)
     rank and kind), by dataflow: each rank advances until it blocks (indexed.py). Raises
     DeadlockError when the orders wait on each other."""
     index = PassIndex.of(placement, microbatches)
-    orders = index.encode(acts)
-    timing = Dataflow(index, index.durations(dur), comm).time(orders)
-    if timing.stuck is not None:
-        r, step = timing.stuck
-        raise deadlock(placement, r, step, acts[r][step])
+    _, timing = _dataflow(placement, index, acts, index.durations(dur), comm)
     return timing.starts, timing.ends
 
 
-def deadlock(placement: Placement, rank: int, step: int, action: Action) -> DeadlockError:
-    """The error for ``action``, the pass at ``step`` of ``rank``, waiting forever."""
-    deps = list(dependencies(action, placement.num_stages))
-    return DeadlockError(
-        f"rank {rank} step {step}: {action} (stage {action.stage}, microbatch "
-        f"{action.microbatch}) waits for {deps} forever", rank, step, action)
+def _dataflow(placement: Placement, index: PassIndex, acts, durations: list, comm: float):
+    """(orders as ids, their timing) of the per-rank actions ``acts``; DeadlockError, naming
+    the first pass that waits forever, when they wait on each other."""
+    orders = index.encode(acts)
+    timing = Dataflow(index, durations, comm).time(orders)
+    if timing.stuck is not None:
+        rank, step = timing.stuck
+        action = acts[rank][step]
+        deps = list(dependencies(action, placement.num_stages))
+        raise DeadlockError(
+            f"rank {rank} step {step}: {action} (stage {action.stage}, microbatch "
+            f"{action.microbatch}) waits for {deps} forever", rank, step, action)
+    return orders, timing
 
 
 def simulate(
@@ -133,11 +136,7 @@ def simulate(
     acts = _compute_orders(schedule)
     index = PassIndex.for_orders(schedule.placement, acts)
     durations = index.durations(action_durations(schedule, costs))
-    orders = index.encode(acts)
-    timing = Dataflow(index, durations, costs.comm).time(orders)
-    if timing.stuck is not None:
-        r, step = timing.stuck
-        raise deadlock(schedule.placement, r, step, acts[r][step])
+    orders, timing = _dataflow(schedule.placement, index, acts, durations, costs.comm)
     starts, ends = timing.starts, timing.ends
     busy = [sum(gather(durations, order)) for order in orders]
     used = [r for r in range(schedule.ranks) if acts[r]]
