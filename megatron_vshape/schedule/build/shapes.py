@@ -35,7 +35,7 @@ from ..model.costs import Costs
 from ..model.placement import Layout, Placement
 from ..model.simulate import pass_durations, time_orders
 
-__all__ = ["reshape_warm_up", "reshape_cool_down"]
+__all__ = ["reshape_warm_up", "reshape_cool_down", "unit_slots"]
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
 
@@ -114,7 +114,7 @@ def reshape_cool_down(placement: Placement, orders, peak: int) -> tuple[tuple[Ac
     if placement.layout is not Layout.V:
         raise ScheduleError("the cool-down shape is defined for the V layout")
     microbatches = 1 + max(a.microbatch for order in orders for a in order)
-    slots = _unit_slots(placement, microbatches, orders)
+    slots = unit_slots(placement, microbatches, orders)
     last_f1 = max(slot for a, slot in zip(orders[0], slots[0])
                   if a.kind is F and a.stage == placement.stage_of(0, 1))
     out = []
@@ -127,7 +127,7 @@ def reshape_cool_down(placement: Placement, orders, peak: int) -> tuple[tuple[Ac
     return tuple(out)
 
 
-def _unit_slots(placement: Placement, microbatches: int, orders) -> list[list[int]]:
+def unit_slots(placement: Placement, microbatches: int, orders) -> list[list[int]]:
     """Each pass's slot when every pass takes one slot and hops are free: the order squeezed
     as the paper's code squeezes it (its slots are this timing's start times)."""
     unit = Costs.build(placement.ranks, placement.chunks, placement.chunks, placement.chunks)

@@ -65,6 +65,7 @@ from ..build.named import paper_schedule
 from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
 from ..build.family import v_block, v_family
+from ..build.gap_fill import fill_gaps
 from ..build.periodic import periodic_block, periodic_orders
 from ..build.slot_reorder import slot_reorder
 from ..build.shapes import reshape_cool_down, reshape_warm_up
@@ -100,6 +101,14 @@ the polish's starts from orders that polished better: V-Half at p = 4, m = 16, H
 peak, not the limit: the same makespans at the named levels (where the peak is the limit),
 and a large limit is not filled with waiting W passes for a sliver of time (the planner's
 gpt-9.6b at seq 1024 went from 20 to 54 GiB for 0.06% more throughput)."""
+_GAPS_FILLED = 3
+"""The fastest candidates (distinct orders) whose unit-slot bubbles are filled (gap_fill.py),
+last, and the best of them with its W passes deferred: so they only add wins (filled among the
+re-lays, they took an earlier step's starts: the planner's gpt-9.6b at seq 1024 lost 0.2%
+where a wave no longer got polished). Costs 2,2,2 at V-Min's limit, where the reference's
+search was ahead: p = 16, hop 0.1, m = 16/32/64: 169.4/274.2/484.2 -> 169.0/274.0/483.8 (the
+reference's), hop 0.5, m = 64: 649.0 -> 647.0 (same); p = 8, m = 64, hop 0.1: 434.2 -> 432.8
+(the reference: 434.0). 2 bases reach all five; 0.05-0.2 s at p = 16, m = 64."""
 _RELAID = 4
 _RELAID_LARGE = 1
 """The fastest candidates (distinct orders) whose warm-up and cool-down are re-laid, besides
@@ -309,19 +318,51 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
     polish_further = functools.partial(_polish_further, consider, placement, m, costs,
                                        limit * placement.chunks, memory, _final_budget(p, m))
     polish_further(winner)
-    before_filling = len(pool)
-    for base in _polish_bases(pool, _FILLED if shapes else 0):
-        consider(f"{base.description}, W deferred",
-                 functools.partial(defer_weight_passes, base.orders, placement, costs,
-                                   base.peak * placement.chunks, memory), replayable=False)
+    defer = functools.partial(_deferred, consider, placement, costs, memory)
+    _then_polished(pool, polish_further, functools.partial(
+        _defer_fastest, pool, defer, _FILLED if shapes else 0))
+    _then_polished(pool, polish_further, functools.partial(
+        _fill_fastest, consider, placement, memory, pool, defer, _GAPS_FILLED if shapes else 0))
     winner = min(pool, key=_key)
-    if winner.rank >= before_filling:  # a deferred order won: it gets the same last polish
-        polish_further(winner)
-        winner = min(pool, key=_key)
     schedule = Schedule("auto", placement, m, winner.orders, memory_bound=limit,
                         description=f"auto: {winner.description} (limit {limit:g} units)")
     result = simulate(schedule, costs, memory) if winner.result is None else winner.result
     return SearchResult(schedule, result, time.perf_counter() - started, len(pool))
+
+
+def _deferred(consider: Callable, placement: Placement, costs: Costs, memory: MemoryModel,
+              base: _Candidate) -> None:
+    """``base`` with its W passes deferred within its own peak (wfill.py) as a candidate."""
+    consider(f"{base.description}, W deferred",
+             functools.partial(defer_weight_passes, base.orders, placement, costs,
+                               base.peak * placement.chunks, memory), replayable=False)
+
+
+def _defer_fastest(pool: list[_Candidate], defer: Callable, count: int) -> None:
+    for base in _polish_bases(pool, count):
+        defer(base)
+
+
+def _fill_fastest(consider: Callable, placement: Placement, memory: MemoryModel,
+                  pool: list[_Candidate], defer: Callable, count: int) -> None:
+    """The ``count`` fastest candidates with their bubbles filled (gap_fill.py), and the best
+    of those with its W passes deferred."""
+    before = len(pool)
+    for base in _polish_bases(pool, count):
+        consider(f"{base.description}, gaps filled",
+                 functools.partial(fill_gaps, placement, base.orders, memory), replayable=False)
+    for base in _polish_bases(pool[before:], 1):
+        defer(base)
+
+
+def _then_polished(pool: list[_Candidate], polish_further: Callable, step: Callable[[], None]
+                   ) -> None:
+    """Runs ``step``, which adds candidates; when one of them wins, it gets the last polish."""
+    before = len(pool)
+    step()
+    winner = min(pool, key=_key)
+    if winner.rank >= before:
+        polish_further(winner)
 
 
 def _replay_bases(pool: list[_Candidate], count: int, extra: int) -> list[tuple[_Candidate, tuple]]:
