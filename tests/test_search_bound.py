@@ -287,11 +287,13 @@ def test_shortest_block_period_at_v_half_memory_with_h100_costs(p, slowest_infea
     """With B freeing 3/4 (``1,-0.75,-0.25``), no one-pattern steady state within V-Half's
     limit runs faster than 5.71 per microbatch at p = 8 and 5.74 at p = 16 (in hundredths):
     4.2% and 4.7% slower than 1F1B's full rate (5.48), while 1F1B's steady state has none. So
-    V-Half at these costs beats 1F1B only where its shorter fill outweighs its slower steady
-    state, and loses as m grows: at p = 16 the search's V-Half is 0.990 x 1F1B at m = 64 and
-    1.011 x at m = 128 (its steady state runs 5.76, 0.35% above this floor); with periods
-    bounded below by 5.74, it tends to >= 1.047 x as m grows. (The default model, where a
-    W keeps the whole chunk, is no faster: 5.70 is infeasible at p = 16 there too.)"""
+    a V-Half of one repeated pattern beats 1F1B only where its shorter fill outweighs its
+    slower steady state: at p = 16 the search's V-Half is 0.990 x 1F1B at m = 64 and 1.011 x
+    at m = 128 (its steady state runs 5.76, 0.35% above this floor). Alternating patterns are
+    not covered and can be faster (V-Min, p = 8, 8 chunk-activations: one pattern needs 7.21,
+    two fit at 7.00, and the search's V-Min at m = 64 takes 6.96 with fill and drain). The
+    default model, where a W keeps the whole chunk, is no faster: 5.70 is infeasible at
+    p = 16 there too."""
     chunks = 2 * ((p + 2) // 2)
     assert _average_fits(p, _H100_TICKS, _H100_COMM, slowest_infeasible, chunks, 3) == "INFEASIBLE"
     assert _average_fits(p, _H100_TICKS, _H100_COMM, slowest_infeasible + 1, chunks, 3) \
