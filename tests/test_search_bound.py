@@ -122,6 +122,20 @@ def test_half_memory_at_p4_cannot_reach_0_6_of_1f1b():
 _UNBALANCED_TICKS = (5, 6, 4)
 
 
+def _v_chain(model, start: dict, p: int, f: int, b: int, comm: int) -> None:
+    """Microbatch 0's passes in the V's order: its F starts rank 0's period at 0, then down
+    the V, back up, down with the gradient, back up (one hop between ranks)."""
+    model.Add(start[0, "F0"] == 0)
+    for rank in range(p - 1):
+        model.Add(start[rank + 1, "F0"] >= start[rank, "F0"] + f + comm)
+        model.Add(start[rank, "F1"] >= start[rank + 1, "F1"] + f + comm)
+        model.Add(start[rank + 1, "B1"] >= start[rank, "B1"] + b + comm)
+        model.Add(start[rank, "B0"] >= start[rank + 1, "B0"] + b + comm)
+    model.Add(start[p - 1, "F1"] >= start[p - 1, "F0"] + f)
+    model.Add(start[0, "B1"] >= start[0, "F1"] + f)
+    model.Add(start[p - 1, "B0"] >= start[p - 1, "B1"] + b)
+
+
 def _block_exists(p: int, ticks: tuple, comm: int, period: int, chunks: int, seconds: float = 120,
                   freed_at_b: int = 0):
     """CP-SAT status of "some block with this period holds at most ``chunks`` per rank".
@@ -141,15 +155,7 @@ def _block_exists(p: int, ticks: tuple, comm: int, period: int, chunks: int, sec
             phase[rank, name] = model.NewIntVar(0, period - 1, "")
             lap = model.NewIntVar(0, horizon // period, "")
             model.Add(start[rank, name] == lap * period + phase[rank, name])
-    model.Add(start[0, "F0"] == 0)
-    for rank in range(p - 1):  # down the V, back up, down with the gradient, back up
-        model.Add(start[rank + 1, "F0"] >= start[rank, "F0"] + f + comm)
-        model.Add(start[rank, "F1"] >= start[rank + 1, "F1"] + f + comm)
-        model.Add(start[rank + 1, "B1"] >= start[rank, "B1"] + b + comm)
-        model.Add(start[rank, "B0"] >= start[rank + 1, "B0"] + b + comm)
-    model.Add(start[p - 1, "F1"] >= start[p - 1, "F0"] + f)
-    model.Add(start[0, "B1"] >= start[0, "F1"] + f)
-    model.Add(start[p - 1, "B0"] >= start[p - 1, "B1"] + b)
+    _v_chain(model, start, p, f, b, comm)
     parts = [("W", 4 - freed_at_b)] + ([("B", freed_at_b)] if freed_at_b else [])  # quarters
     for rank in range(p):
         busy, windows, weights, laps = [], [], [], []
@@ -252,15 +258,7 @@ def _average_fits(p: int, ticks: tuple, comm: int, period: int, chunks: int,
     size = {"F0": f, "F1": f, "B1": b, "B0": b, "W1": w, "W0": w}
     model = cp_model.CpModel()
     start = {(r, n): model.NewIntVar(0, 40 * period, "") for r in range(p) for n in size}
-    model.Add(start[0, "F0"] == 0)
-    for rank in range(p - 1):
-        model.Add(start[rank + 1, "F0"] >= start[rank, "F0"] + f + comm)
-        model.Add(start[rank, "F1"] >= start[rank + 1, "F1"] + f + comm)
-        model.Add(start[rank + 1, "B1"] >= start[rank, "B1"] + b + comm)
-        model.Add(start[rank, "B0"] >= start[rank + 1, "B0"] + b + comm)
-    model.Add(start[p - 1, "F1"] >= start[p - 1, "F0"] + f)
-    model.Add(start[0, "B1"] >= start[0, "F1"] + f)
-    model.Add(start[p - 1, "B0"] >= start[p - 1, "B1"] + b)
+    _v_chain(model, start, p, f, b, comm)
     for rank in range(p):
         names = list(size)
         for i, x in enumerate(names):

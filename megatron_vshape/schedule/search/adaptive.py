@@ -35,6 +35,11 @@ Candidates, all V-shaped (two chunks per rank):
                      2,2.78,0.7,0.05, p = 8, m = 64 at V-Half's memory: 1.043 -> 0.999 x
                      1F1B); the fastest, if it wins, polished once more; like the re-laid
                      ones, left out with ``shapes=False``
+    gaps filled      last, the 3 fastest with their unit-slot bubbles filled by later passes
+                     without raising the peak (gap_fill.py, the paper code's last step), the
+                     best of those W-deferred, and a winner among them polished once more
+                     (costs 2,2,2 at V-Min's limit, p = 16, hop 0.1, m = 16: 169.4 -> 169.0,
+                     the reference's); left out with ``shapes=False`` too
 
 Each candidate is timed by the simulator with the real costs and kept only when its peak memory
 is within the limit; the one with the smallest makespan wins (ties: less memory, then the order
