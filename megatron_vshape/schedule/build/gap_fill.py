@@ -26,6 +26,7 @@ from ..model.actions import Action, PassKind
 from ..model.costs import MemoryModel
 from ..model.deps import dependencies
 from ..model.placement import Placement
+from ..model.simulate import level_peak
 from .shapes import unit_slots
 
 __all__ = ["fill_gaps"]
@@ -39,8 +40,8 @@ def fill_gaps(placement: Placement, orders, memory: MemoryModel = MemoryModel()
     chunk-activations under ``memory``."""
     microbatches = 1 + max(a.microbatch for order in orders for a in order)
     grid, column = _grid(placement, microbatches, orders)
-    step = {PassKind.F: memory.forward, PassKind.B: memory.backward, PassKind.W: memory.weight}
-    peak = max(_own_peak(order, step) for order in orders)
+    step = memory.deltas
+    peak = max(level_peak((a.kind for a in order), memory) for order in orders)
     level = [0.0] * placement.ranks
     last = [max((j for j, a in enumerate(row) if a is not None), default=-1) for row in grid]
     kinds = [len({(a.kind, a.stage) for a in order}) for order in orders]
@@ -70,14 +71,6 @@ def _grid(placement: Placement, microbatches: int, orders) -> tuple[list[list], 
             row[slot] = action
             column[action] = slot
     return grid, column
-
-
-def _own_peak(order, step: dict) -> float:
-    level = peak = 0.0
-    for action in order:
-        level += step[action.kind]
-        peak = max(peak, level)
-    return peak
 
 
 def _movable(placement: Placement, row: list, j: int, last: int, kinds: int, level: float,
