@@ -8,6 +8,8 @@ dependency).
    the compute, under either memory model.
 4. Issue 15's V-Half at the same costs, p = 8 and 16: no steady state of one repeated pattern
    runs faster than 1.042 x and 1.047 x the compute (at the end).
+5. Issue 15's V-Min at the same costs, p = 16: none runs faster than 1.558 x the compute, under
+   either memory model (at the end).
 
 Case 1.
 
@@ -20,7 +22,7 @@ runs only with ``VSHAPE_PROOFS=1``::
 
     pip install ortools && VSHAPE_PROOFS=1 python -m pytest -q tests/test_search_bound.py
 
-(case 2 adds about 90 s, case 3 about 10 s, case 4 about 15 s).
+(case 2 adds about 90 s, case 3 about 10 s, case 4 about 15 s, case 5 about 80 s).
 
 The model, in slots (every chunk pass takes one):
 
@@ -295,4 +297,25 @@ def test_shortest_block_period_at_v_half_memory_with_h100_costs(p, slowest_infea
     chunks = 2 * ((p + 2) // 2)
     assert _average_fits(p, _H100_TICKS, _H100_COMM, slowest_infeasible, chunks, 3) == "INFEASIBLE"
     assert _average_fits(p, _H100_TICKS, _H100_COMM, slowest_infeasible + 1, chunks, 3) \
+        in ("OPTIMAL", "FEASIBLE")
+
+
+# Case 5. Issue 15's V-Min target at p = 16, same costs and model as case 4, at V-Min's 6 units
+# (12 chunk-activations).
+
+
+@pytest.mark.parametrize("freed_at_b", [0, 3], ids=["default-model", "b-frees-3/4"])
+def test_shortest_block_period_at_v_min_memory_p16_with_h100_costs(freed_at_b):
+    """At p = 16 no one-pattern steady state within V-Min's limit runs faster than 8.54 per
+    microbatch (853 hundredths infeasible, 854 feasible), 1.558 x the compute, whether B frees
+    nothing or three quarters. A V-Min whose microbatches all follow one pattern then starts
+    rank 0's last forward of m = 64 at >= 63 x 8.53 = 537 at the earliest, past 1.10 x 1F1B's
+    whole makespan (484.4): that target of issue 15 is out of its reach at p = 16. What one
+    microbatch holds on a rank (its two round trips, 31 hops of F and B, about 82 time units
+    of chunk-activations) over 12 would allow 6.8; the passes of the microbatches in flight
+    collide on the ranks. The search's V-Min runs 8.66 per microbatch in steady state there
+    (1.398 x 1F1B at m = 64, 1.468 x at m = 128), 1.4% above this floor."""
+    chunks = 2 * ((16 + 4) // 3)
+    assert _average_fits(16, _H100_TICKS, _H100_COMM, 853, chunks, freed_at_b) == "INFEASIBLE"
+    assert _average_fits(16, _H100_TICKS, _H100_COMM, 854, chunks, freed_at_b) \
         in ("OPTIMAL", "FEASIBLE")
