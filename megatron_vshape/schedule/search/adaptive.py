@@ -238,136 +238,198 @@ def _refined(result: SearchResult, costs: Costs, limit: float, memory: MemoryMod
     return out
 
 
-def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
-                shapes: bool) -> SearchResult:
-    if not isinstance(p, int) or p < 2:
-        raise ScheduleError(f"ranks must be an integer >= 2, got {p!r}")
-    if not isinstance(m, int) or m < 1:
-        raise ScheduleError(f"microbatches must be an integer >= 1, got {m!r}")
-    started = time.perf_counter()
-    placement = Placement(p, Layout.V)
-    pool: list[_Candidate] = []
-    smallest: list[tuple[float, str]] = []
+@dataclass
+class _Pool:
+    """The candidates of one search (module doc) and what its stages share: the setting,
+    the peak of every order built (for the error when none fits) and the orders re-laid."""
 
-    def consider(description: str, build: Callable[[], tuple | Replay],
+    placement: Placement
+    microbatches: int
+    costs: Costs
+    limit: float
+    memory: MemoryModel
+    shapes: bool
+    candidates: list[_Candidate] = dataclasses.field(default_factory=list)
+    smallest: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+    """(peak, description) of every order built, within the limit or not."""
+    relaid: set = dataclasses.field(default_factory=set)
+    """The orders already re-laid (``_fresh``)."""
+
+    @property
+    def cap(self) -> float:
+        """The limit in chunk-activations (what the local search and the replays keep to)."""
+        return self.limit * self.placement.chunks
+
+    @property
+    def full(self) -> int:
+        """The limit in whole chunk-activations: the peak the re-lays lay out to."""
+        return int(self.cap + _EPS)
+
+    def consider(self, description: str, build: Callable[[], tuple | Replay],
                  replayable: bool = True) -> None:
+        """Builds a candidate and keeps it when it fits the limit and its orders run; a
+        construction that cannot be built (ScheduleError) adds nothing."""
         try:
             built = build()
         except ScheduleError:
             return
         orders = built.orders if isinstance(built, Replay) else built
-        schedule = Schedule("auto", placement, m, orders)
-        peak = max(peak_memory(schedule, memory))
-        smallest.append((peak, description))
-        if peak <= limit + _EPS:
-            # a replay timed itself; everything else is timed by the simulator
-            try:
-                result = None if isinstance(built, Replay) else simulate(schedule, costs, memory)
-            except ScheduleError:  # a re-laid warm-up can deadlock across ranks
-                return
-            makespan = built.makespan if result is None else result.makespan
-            pool.append(_Candidate(description, orders, peak, makespan, len(pool), result,
-                                   replayable))
+        schedule = Schedule("auto", self.placement, self.microbatches, orders)
+        peak = max(peak_memory(schedule, self.memory))
+        self.smallest.append((peak, description))
+        if peak > self.limit + _EPS:
+            return
+        try:  # a replay timed itself; everything else is timed by the simulator
+            result = None if isinstance(built, Replay) else \
+                simulate(schedule, self.costs, self.memory)
+        except ScheduleError:  # a re-laid warm-up can deadlock across ranks
+            return
+        makespan = built.makespan if result is None else result.makespan
+        self.candidates.append(_Candidate(description, orders, peak, makespan,
+                                          len(self.candidates), result, replayable))
 
+    def fastest(self) -> _Candidate:
+        return min(self.candidates, key=_key)
+
+    def wave(self) -> tuple:
+        """The V-ZB wave's orders under the limit (wave.py)."""
+        return _wave(self.placement.ranks, self.microbatches, self.costs, self.limit, self.memory)
+
+
+def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
+                shapes: bool) -> SearchResult:
+    """The search under one memory model, in the module doc's order: the constructions, their
+    replays, re-lays and polishes, then what improves the winner."""
+    if not isinstance(p, int) or p < 2:
+        raise ScheduleError(f"ranks must be an integer >= 2, got {p!r}")
+    if not isinstance(m, int) or m < 1:
+        raise ScheduleError(f"microbatches must be an integer >= 1, got {m!r}")
+    started = time.perf_counter()
+    pool = _Pool(Placement(p, Layout.V), m, costs, limit, memory, shapes)
+    wave_tried, skipped = _constructions(pool)
+    large = 6 * p * m > _LARGE_PASSES  # a replay costs time in proportion to the passes
+    _replays(pool, large)
+    _relays_and_polishes(pool, large)
+    if not pool.candidates and not wave_tried:
+        pool.consider("V-ZB wave, cost-aware", pool.wave)  # below every block it may still fit
+    if not pool.candidates:
+        raise _infeasible(pool, skipped)
+    _improve_winner(pool)
+    winner = pool.fastest()
+    schedule = Schedule("auto", pool.placement, m, winner.orders, memory_bound=limit,
+                        description=f"auto: {winner.description} (limit {limit:g} units)")
+    result = simulate(schedule, costs, memory) if winner.result is None else winner.result
+    return SearchResult(schedule, result, time.perf_counter() - started, len(pool.candidates))
+
+
+def _constructions(pool: _Pool) -> tuple[bool, list]:
+    """The fixed blocks (also slot-reordered), the wave, the family blocks and the
+    continuous-offset blocks as candidates. Returns whether the wave was tried and the family
+    blocks skipped unprobed (``_family_within``)."""
+    p, m, limit, memory = pool.placement.ranks, pool.microbatches, pool.limit, pool.memory
     for family in _FIXED:
         if _named_over(family, p, m, limit, memory):  # its peak is known: skip the build
-            smallest.append((family.memory_bound(p), f"{family.name} block"))
+            pool.smallest.append((family.memory_bound(p), f"{family.name} block"))
             continue
         if _outgrown(family, p, limit):
             continue
-        consider(f"{family.name} block", functools.partial(_named, family.name, p, m))
+        pool.consider(f"{family.name} block", functools.partial(_named, family.name, p, m))
         if family is not V_ZB:
-            consider(f"{family.name} block, slot-reordered",
-                     functools.partial(slot_reorder, family.build(p), m), replayable=False)
-    wave = functools.partial(_wave, p, m, costs, limit, memory)
+            pool.consider(f"{family.name} block, slot-reordered",
+                          functools.partial(slot_reorder, family.build(p), m), replayable=False)
     wave_tried = limit >= p - _EPS or 6 * p * m <= _WAVE_CHEAP_PASSES
     if wave_tried:
-        consider("V-ZB wave, cost-aware", wave, replayable=False)
+        pool.consider("V-ZB wave, cost-aware", pool.wave, replayable=False)
     skipped: list = []
-    for offsets, block in _family_within(p, m, limit, memory, smallest, skipped):
-        consider(f"V family block, {offsets.describe()}",
-                 functools.partial(compose, dataclasses.replace(block, memory_bound=limit), m))
-    full = int(limit * placement.chunks + _EPS)  # the limit in chunk-activations
-    relaid: set = set()  # orders already re-laid
+    for offsets, block in _family_within(p, m, limit, memory, pool.smallest, skipped):
+        pool.consider(f"V family block, {offsets.describe()}",
+                      functools.partial(compose, dataclasses.replace(block, memory_bound=limit), m))
     for scale in () if _outgrown(V_MIN, p, limit) else _PERIOD_SCALES:
-        consider(f"continuous-offset block, period x{scale:g}",
-                 functools.partial(_periodic, p, m, costs, scale))
-    large = 6 * p * m > _LARGE_PASSES  # a replay costs time in proportion to the passes
-    replays = (_REPLAYS_LARGE, _EXTRA_PEAKS_LARGE) if large else (_REPLAYS, _EXTRA_PEAKS)
-    for base, slacks in _replay_bases(pool, *replays):
+        pool.consider(f"continuous-offset block, period x{scale:g}",
+                      functools.partial(_periodic, p, m, pool.costs, scale))
+    return wave_tried, skipped
+
+
+def _replays(pool: _Pool, large: bool) -> None:
+    """The replay bases (``_replay_bases``) replayed in real time under the limit (timed.py)."""
+    counts = (_REPLAYS_LARGE, _EXTRA_PEAKS_LARGE) if large else (_REPLAYS, _EXTRA_PEAKS)
+    for base, slacks in _replay_bases(pool.candidates, *counts):
         for window in _REPLAY_WINDOWS:
             for slack in slacks:  # one chunk of slack: the replay's peak often lands lower
-                consider(f"{base.description}, replayed in time (window {window})",
-                         functools.partial(replay_in_time, base.orders, placement, costs,
-                                           limit * placement.chunks + slack, memory, window))
-    finished = [] if large else [c for c in pool if not c.replayable]
-    bases = _polish_bases(pool, _RELAID_LARGE if large else _RELAID)
-    for base in _fresh(bases + _polish_bases(finished, len(finished)), relaid, shapes):
-        _relay(consider, placement, base, full, int(base.peak * placement.chunks + _EPS))
-    for base in _polish_bases(pool, _POLISHED):
-        consider(f"{base.description}, polished",
-                 functools.partial(_polish, placement, m, base.orders, costs,
-                                   limit * placement.chunks, memory, _POLISH_BUDGET))
-    if not pool and not wave_tried:
-        consider("V-ZB wave, cost-aware", wave)  # below every block it may still fit
-    if not pool:
-        smallest.extend((_probe_peak(block, m, memory), f"V family block, {offsets.describe()}")
-                        for offsets, block in skipped)
-        smallest.extend(_least_wave(p, m, costs, memory))
-        peak, description = min(smallest)
-        raise InfeasibleMemoryError(limit, peak, description)
-    winner = min(pool, key=_key)
-    for base in _fresh([winner], relaid, shapes and "re-laid" not in winner.description):
-        _relay(consider, placement, base, full, full, cool_down_alone=True)  # a replay won
-        winner = min(pool, key=_key)
-    polish_further = functools.partial(_polish_further, consider, placement, m, costs,
-                                       limit * placement.chunks, memory, _final_budget(p, m))
-    polish_further(winner)
-    defer = functools.partial(_deferred, consider, placement, costs, memory)
-    _then_polished(pool, polish_further, functools.partial(
-        _defer_fastest, pool, defer, _FILLED if shapes else 0))
-    _then_polished(pool, polish_further, functools.partial(
-        _fill_fastest, consider, placement, memory, pool, defer, _GAPS_FILLED if shapes else 0))
-    winner = min(pool, key=_key)
-    schedule = Schedule("auto", placement, m, winner.orders, memory_bound=limit,
-                        description=f"auto: {winner.description} (limit {limit:g} units)")
-    result = simulate(schedule, costs, memory) if winner.result is None else winner.result
-    return SearchResult(schedule, result, time.perf_counter() - started, len(pool))
+                pool.consider(f"{base.description}, replayed in time (window {window})",
+                              functools.partial(replay_in_time, base.orders, pool.placement,
+                                                pool.costs, pool.cap + slack, pool.memory,
+                                                window))
 
 
-def _deferred(consider: Callable, placement: Placement, costs: Costs, memory: MemoryModel,
-              base: _Candidate) -> None:
+def _relays_and_polishes(pool: _Pool, large: bool) -> None:
+    """The fastest candidates and the finished constructions re-laid, then the fastest of all
+    polished by the local search (module doc)."""
+    finished = [] if large else [c for c in pool.candidates if not c.replayable]
+    bases = _polish_bases(pool.candidates, _RELAID_LARGE if large else _RELAID)
+    for base in _fresh(bases + _polish_bases(finished, len(finished)), pool.relaid, pool.shapes):
+        _relay(pool, base, int(base.peak * pool.placement.chunks + _EPS))
+    for base in _polish_bases(pool.candidates, _POLISHED):
+        pool.consider(f"{base.description}, polished",
+                      functools.partial(_polish, pool, base.orders, _POLISH_BUDGET))
+
+
+def _infeasible(pool: _Pool, skipped: list) -> InfeasibleMemoryError:
+    """The error when nothing fits: the smallest peak of anything built, of the family blocks
+    skipped unprobed and of the wave at the least it can keep."""
+    p, m = pool.placement.ranks, pool.microbatches
+    pool.smallest.extend((_probe_peak(block, m, pool.memory),
+                          f"V family block, {offsets.describe()}") for offsets, block in skipped)
+    pool.smallest.extend(_least_wave(p, m, pool.costs, pool.memory))
+    peak, description = min(pool.smallest)
+    return InfeasibleMemoryError(pool.limit, peak, description)
+
+
+def _improve_winner(pool: _Pool) -> None:
+    """The winner so far re-laid (when a replay won) and polished once more; then the deferred
+    and the gap-filled candidates, each polished once more when one of them wins."""
+    winner = pool.fastest()
+    for base in _fresh([winner], pool.relaid, pool.shapes and "re-laid" not in winner.description):
+        _relay(pool, base, pool.full, cool_down_alone=True)  # a replay won
+        winner = pool.fastest()
+    _polish_further(pool, winner)
+    _then_polished(pool, functools.partial(_defer_fastest, pool, _FILLED if pool.shapes else 0))
+    _then_polished(pool, functools.partial(_fill_fastest, pool,
+                                           _GAPS_FILLED if pool.shapes else 0))
+
+
+def _deferred(pool: _Pool, base: _Candidate) -> None:
     """``base`` with its W passes deferred within its own peak (wfill.py) as a candidate."""
-    consider(f"{base.description}, W deferred",
-             functools.partial(defer_weight_passes, base.orders, placement, costs,
-                               base.peak * placement.chunks, memory), replayable=False)
+    pool.consider(f"{base.description}, W deferred",
+                  functools.partial(defer_weight_passes, base.orders, pool.placement, pool.costs,
+                                    base.peak * pool.placement.chunks, pool.memory),
+                  replayable=False)
 
 
-def _defer_fastest(pool: list[_Candidate], defer: Callable, count: int) -> None:
-    for base in _polish_bases(pool, count):
-        defer(base)
+def _defer_fastest(pool: _Pool, count: int) -> None:
+    for base in _polish_bases(pool.candidates, count):
+        _deferred(pool, base)
 
 
-def _fill_fastest(consider: Callable, placement: Placement, memory: MemoryModel,
-                  pool: list[_Candidate], defer: Callable, count: int) -> None:
+def _fill_fastest(pool: _Pool, count: int) -> None:
     """The ``count`` fastest candidates with their bubbles filled (gap_fill.py), and the best
     of those with its W passes deferred."""
-    before = len(pool)
-    for base in _polish_bases(pool, count):
-        consider(f"{base.description}, gaps filled",
-                 functools.partial(fill_gaps, placement, base.orders, memory), replayable=False)
-    for base in _polish_bases(pool[before:], 1):
-        defer(base)
+    before = len(pool.candidates)
+    for base in _polish_bases(pool.candidates, count):
+        pool.consider(f"{base.description}, gaps filled",
+                      functools.partial(fill_gaps, pool.placement, base.orders, pool.memory),
+                      replayable=False)
+    for base in _polish_bases(pool.candidates[before:], 1):
+        _deferred(pool, base)
 
 
-def _then_polished(pool: list[_Candidate], polish_further: Callable, step: Callable[[], None]
-                   ) -> None:
+def _then_polished(pool: _Pool, step: Callable[[], None]) -> None:
     """Runs ``step``, which adds candidates; when one of them wins, it gets the last polish."""
-    before = len(pool)
+    before = len(pool.candidates)
     step()
-    winner = min(pool, key=_key)
+    winner = pool.fastest()
     if winner.rank >= before:
-        polish_further(winner)
+        _polish_further(pool, winner)
 
 
 def _replay_bases(pool: list[_Candidate], count: int, extra: int) -> list[tuple[_Candidate, tuple]]:
@@ -398,10 +460,11 @@ def _polish_bases(pool: list[_Candidate], count: int) -> list[_Candidate]:
     return bases
 
 
-def _polish(placement: Placement, m: int, orders, costs: Costs, cap: float,
-            memory: MemoryModel, budget: int) -> tuple:
+def _polish(pool: _Pool, orders, budget: int) -> tuple:
+    """``orders`` improved by the local search within the limit (local.py)."""
     passes = sum(len(order) for order in orders)
-    return improve(placement, m, orders, costs, cap, memory, _capped(budget, passes)).orders
+    return improve(pool.placement, pool.microbatches, orders, pool.costs, pool.cap, pool.memory,
+                   _capped(budget, passes)).orders
 
 
 def _final_budget(p: int, m: int) -> int:
@@ -414,11 +477,11 @@ def _capped(budget: int, passes: int) -> int:
     return min(budget, _BUDGET_PER_PASS * passes)
 
 
-def _polish_further(consider: Callable, placement: Placement, m: int, costs: Costs, cap: float,
-                    memory: MemoryModel, budget: int, base: _Candidate) -> None:
-    """The last polish, with the larger ``budget``, as a candidate."""
-    consider(f"{base.description}, polished further",
-             functools.partial(_polish, placement, m, base.orders, costs, cap, memory, budget))
+def _polish_further(pool: _Pool, base: _Candidate) -> None:
+    """The last polish, with the larger budget (``_final_budget``), as a candidate."""
+    budget = _final_budget(pool.placement.ranks, pool.microbatches)
+    pool.consider(f"{base.description}, polished further",
+                  functools.partial(_polish, pool, base.orders, budget))
 
 
 def _key(candidate: _Candidate) -> tuple:
@@ -437,21 +500,21 @@ def _fresh(bases: list[_Candidate], relaid: set, shapes: bool) -> list[_Candidat
     return out
 
 
-def _relay(consider: Callable, placement: Placement, base: _Candidate, full: int, own: int,
-           cool_down_alone: bool = False) -> None:
-    """Candidates from ``base`` re-laid (shapes.py): its warm-up at the limit's peak ``full``
-    and at its ``own`` (chunk-activations), warm-up and cool-down at ``full``, and, for the
-    winner of the replays, the cool-down alone."""
+def _relay(pool: _Pool, base: _Candidate, own: int, cool_down_alone: bool = False) -> None:
+    """Candidates from ``base`` re-laid (shapes.py): its warm-up at the limit's peak
+    (``pool.full``) and at its ``own`` (chunk-activations), warm-up and cool-down at the
+    limit's, and, for the winner of the replays, the cool-down alone."""
+    full, placement = pool.full, pool.placement
     for peak in sorted({full, own}):
-        consider(f"{base.description}, warm-up re-laid (peak {peak})",
-                 functools.partial(reshape_warm_up, placement, base.orders, peak),
-                 replayable=False)
-    consider(f"{base.description}, warm-up and cool-down re-laid (peak {full})",
-             functools.partial(_relay_both, placement, base.orders, full), replayable=False)
+        pool.consider(f"{base.description}, warm-up re-laid (peak {peak})",
+                      functools.partial(reshape_warm_up, placement, base.orders, peak),
+                      replayable=False)
+    pool.consider(f"{base.description}, warm-up and cool-down re-laid (peak {full})",
+                  functools.partial(_relay_both, placement, base.orders, full), replayable=False)
     if cool_down_alone:
-        consider(f"{base.description}, cool-down re-laid (peak {full})",
-                 functools.partial(reshape_cool_down, placement, base.orders, full),
-                 replayable=False)
+        pool.consider(f"{base.description}, cool-down re-laid (peak {full})",
+                      functools.partial(reshape_cool_down, placement, base.orders, full),
+                      replayable=False)
 
 
 def _relay_both(placement: Placement, orders, peak: int) -> tuple:
