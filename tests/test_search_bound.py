@@ -307,7 +307,8 @@ def test_shortest_block_period_at_v_half_memory_with_h100_costs(p, slowest_infea
 @pytest.mark.parametrize("freed_at_b", [0, 3], ids=["default-model", "b-frees-3/4"])
 def test_shortest_block_period_at_v_min_memory_p16_with_h100_costs(freed_at_b):
     """At p = 16 no one-pattern steady state within V-Min's limit runs faster than 8.54 per
-    microbatch (853 hundredths infeasible, 854 feasible), 1.558 x the compute, whether B frees
+    microbatch (853 hundredths infeasible, 854 feasible; with B freeing 3/4 also infeasible at
+    every period tried below: 650-850 by 50, 851, 852), 1.558 x the compute, whether B frees
     nothing or three quarters. A V-Min whose microbatches all follow one pattern then starts
     rank 0's last forward of m = 64 at >= 63 x 8.53 = 537 at the earliest, past 1.10 x 1F1B's
     whole makespan (484.4): that target of issue 15 is out of its reach at p = 16. What one
