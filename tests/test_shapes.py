@@ -95,7 +95,7 @@ def test_cool_down_lays_the_last_gradients_tight():
     (P + 1) // 2 = 4 chunk-0 B every other slot, the chunk-0 gradient's walk tight; V-Min's
     paper order at p = 8, m = 64 runs them 6 slots apart. In the search, at costs 2,2,2, hop
     0.1 and 4 units, the shape (with its bubbles then filled, gap_fill.py) takes the best order
-    from 437.4 to 433.2 (the reference: 434.0)."""
+    from 437.4 to 432.8 (the reference: 434.0)."""
     p, m = 8, 64
     paper = build_schedule("v-min", p, m, variant="paper")
     assert _last_gradient_spacing(paper) == [[6.0, 6.0, 6.0]] * p
