@@ -40,6 +40,8 @@ Candidates, all V-shaped (two chunks per rank):
                      best of those W-deferred, and a winner among them polished once more
                      (costs 2,2,2 at V-Min's limit, p = 16, hop 0.1, m = 16: 169.4 -> 169.0,
                      the reference's); left out with ``shapes=False`` too
+    repeated moves   at V-Min's memory or less and at most 768 passes, the winner improved by
+                     local.py's moves made in every microbatch at once (``_REPEATED_PASSES``)
 
 Each candidate is timed by the simulator with the real costs and kept only when its peak memory
 is within the limit; the one with the smallest makespan wins (ties: less memory, then the order
@@ -81,7 +83,7 @@ from ..model.schedule import Schedule
 from ..model.simulate import SimResult, level_peak, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
 from .freed import FULL_SEARCH_PASSES, freeing_nothing_at_b, refined_under
-from .local import improve
+from .local import improve, improve_repeated
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
 
@@ -132,6 +134,15 @@ _FINAL_POLISH_LARGE_PASSES = 4_000
 over p = 16, m = 32 and 64, four cost ratios and four limits (32 points) 150,000 passes gave
 the same makespans as 600,000 at every point, for 0.1-0.6 s less; at p = 8, m = 64 (3,072
 passes, below the threshold) the larger budget still gained 0.05% at 2 of 16 points."""
+_REPEATED_BUDGET = 1_000_000
+_REPEATED_PASSES = 768
+"""The winner's last improvement, moves repeated in every microbatch (local.py's
+``improve_repeated``), runs at V-Min's memory or less on schedules of at most this many passes
+(p = 4, m = 32), where it pays: at the H100 costs (2, 2.78, 0.7, hop 0.05), V-Min at p = 4
+from 1.219 to 1.196 x 1F1B (m = 16) and from 1.296 to 1.253 x (m = 32), for 0.2-0.5 s more.
+Run everywhere (periods 1-4), it gained at most 0.15% on the rest of the named levels' grid
+(p 4-16, m 4p and 8p, both memory models; p = 8, m = 32, V-Min) for 0.6-1.3 s more, and at
+V-Half's and V-ZB's memory 0.1% at most."""
 _BUDGET_PER_PASS = 1_600
 """Both polish budgets are capped at this many passes timed per pass of the schedule: the local
 search spends its whole budget, and a small schedule (p = 2, m = 2: 24 passes) would otherwise
@@ -387,7 +398,8 @@ def _infeasible(pool: _Pool, skipped: list) -> InfeasibleMemoryError:
 
 def _improve_winner(pool: _Pool) -> None:
     """The winner so far re-laid (when a replay won) and polished once more; then the deferred
-    and the gap-filled candidates, each polished once more when one of them wins."""
+    and the gap-filled candidates, each polished once more when one of them wins; last, at
+    V-Min's memory on small schedules, the moves repeated per microbatch."""
     winner = pool.fastest()
     for base in _fresh([winner], pool.relaid, pool.shapes and "re-laid" not in winner.description):
         _relay(pool, base, pool.full, cool_down_alone=True)  # a replay won
@@ -396,6 +408,17 @@ def _improve_winner(pool: _Pool) -> None:
     _then_polished(pool, functools.partial(_defer_fastest, pool, _FILLED if pool.shapes else 0))
     _then_polished(pool, functools.partial(_fill_fastest, pool,
                                            _GAPS_FILLED if pool.shapes else 0))
+    p, m = pool.placement.ranks, pool.microbatches
+    if pool.limit <= V_MIN.memory_bound(p) + _EPS and 6 * p * m <= _REPEATED_PASSES:
+        _repeat_moves(pool, pool.fastest())
+
+
+def _repeat_moves(pool: _Pool, base: _Candidate) -> None:
+    """Last, the winner improved by moves repeated in every microbatch (local.py), as a
+    candidate: so it only adds wins."""
+    budget = _capped(_REPEATED_BUDGET, sum(len(order) for order in base.orders))
+    pool.consider(f"{base.description}, moves repeated per microbatch",
+                  functools.partial(_repeated, pool, base.orders, budget))
 
 
 def _deferred(pool: _Pool, base: _Candidate) -> None:
@@ -465,6 +488,11 @@ def _polish(pool: _Pool, orders, budget: int) -> tuple:
     passes = sum(len(order) for order in orders)
     return improve(pool.placement, pool.microbatches, orders, pool.costs, pool.cap, pool.memory,
                    _capped(budget, passes)).orders
+
+
+def _repeated(pool: _Pool, orders, budget: int) -> tuple:
+    return improve_repeated(pool.placement, pool.microbatches, orders, pool.costs, pool.cap,
+                            pool.memory, budget).orders
 
 
 def _final_budget(p: int, m: int) -> int:
