@@ -32,7 +32,9 @@ __all__ = ["FULL_SEARCH_PASSES", "freeing_nothing_at_b", "refined_under"]
 FULL_SEARCH_PASSES = 2_048
 """Up to this many passes (p = 8, m = 32 and p = 4, m = 64: 1,536) the model also gets a
 search of its own (three of its four wins above are there); beyond it that search doubles the
-time of a named schedule (p = 16, m = 64: 1.0 s instead of 0.5 s) for one win of 0.05%."""
+time of a named schedule (p = 16, m = 64: 1.0 s instead of 0.5 s) for one win of 0.05%. Where
+the default model's search ends with moves repeated per microbatch, less (adaptive.py's
+``_search_cached``)."""
 
 
 def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
