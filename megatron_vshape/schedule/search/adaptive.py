@@ -428,9 +428,8 @@ def _repeats(p: int, m: int, limit: float) -> bool:
 def _repeat_moves(pool: _Pool, base: _Candidate) -> None:
     """Last, the winner improved by moves repeated in every microbatch (local.py), as a
     candidate: so it only adds wins."""
-    budget = _capped(_REPEATED_BUDGET, sum(len(order) for order in base.orders))
     pool.consider(f"{base.description}, moves repeated per microbatch",
-                  functools.partial(_repeated, pool, base.orders, budget))
+                  functools.partial(_repeated, pool, base.orders))
 
 
 def _deferred(pool: _Pool, base: _Candidate) -> None:
@@ -502,7 +501,9 @@ def _polish(pool: _Pool, orders, budget: int) -> tuple:
                    _capped(budget, passes)).orders
 
 
-def _repeated(pool: _Pool, orders, budget: int) -> tuple:
+def _repeated(pool: _Pool, orders) -> tuple:
+    """``orders`` improved by moves repeated per microbatch (local.py), budgeted as ``_polish``."""
+    budget = _capped(_REPEATED_BUDGET, sum(len(order) for order in orders))
     return improve_repeated(pool.placement, pool.microbatches, orders, pool.costs, pool.cap,
                             pool.memory, budget).orders
 
