@@ -11,6 +11,7 @@ from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Sch
                                       simulate, validate)
 from megatron_vshape.schedule.build.greedy import Policy, greedy_schedule
 from megatron_vshape.schedule.search.levels import LEVEL_NAMES, memory_level
+from megatron_vshape.schedule.search import local
 from megatron_vshape.schedule.search.local import _Search, improve, improve_repeated
 
 FREES_AT_B = MemoryModel(1, -0.75, -0.25)
@@ -116,6 +117,29 @@ def test_a_move_repeated_per_microbatch_is_made_in_every_period_and_keeps_the_or
     orders = list(search.orders)
     orders[r] = new
     validate(start.with_actions(search.index.decode(orders)), memory_limit=2)
+
+
+@pytest.mark.parametrize("name, p, m", [("v-min", 4, 8), ("v-half", 8, 8)])
+def test_the_deadlock_check_agrees_with_timing_every_single_move(name, p, m, monkeypatch):
+    """Every move of one pass earlier (window 6) of a paper order, not blocked outright:
+    ``_deadlocks`` says True exactly when timing the moved orders gets stuck (with room to
+    search the whole graph), and with the default probe only ever for moves that get stuck."""
+    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    start = build_schedule(name, p, m, variant="paper")
+    search = _Search(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
+    moves = []
+    for r, order in enumerate(search.orders):
+        for j in range(1, len(order)):
+            for i in range(max(0, j - 6), j):
+                if not search._blocked(order, i, j):
+                    trial = list(search.orders)
+                    trial[r] = order[:i] + [order[j]] + order[i:j] + order[j + 1:]
+                    moves.append((r, i, j, search.flow.time(trial).stuck is not None))
+    caught = [search._deadlocks(r, i, j) for r, i, j, _ in moves]
+    monkeypatch.setattr(local, "_PROBE", 10**9)
+    assert [search._deadlocks(r, i, j) for r, i, j, _ in moves] == [s for *_, s in moves]
+    assert all(stuck for (*_, stuck), dead in zip(moves, caught) if dead)
+    assert sum(caught) > 10 and sum(not s for *_, s in moves) > 10  # both kinds were checked
 
 
 def test_moves_repeated_per_microbatch_cross_the_single_moves_plateau():

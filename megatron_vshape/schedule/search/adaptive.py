@@ -214,7 +214,8 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
     searches repeating them, the search took 1.1-1.9 s at p = 4, m = 16-32 and p = 8, m = 16
     (V-Min's memory), where it had taken under 1 s; so 0.8-1.1 s. Over those 24 points (4 cost
     ratios) v-min's makespan is then the same as with both at 22, 0.54 longer at one (p = 4,
-    m = 16, H100 costs: 124.71, as before either, against 124.17) and 0.09 shorter at one."""
+    m = 16, H100 costs: 124.71, as before either, against 124.17; 125.06 since the local search
+    checks moves for deadlock first, local.py) and 0.09 shorter at one."""
     base = freeing_nothing_at_b(memory)
     if base is None:
         return _search_one(p, m, costs, limit, memory, shapes)

@@ -10,8 +10,9 @@ does, starting from any valid order:
     moves      fill the gap with a later pass of the same rank that is ready sooner, or move
                the awaited pass earlier on its own rank (within ``window`` positions)
     accept     the first move that keeps every rank within ``cap`` chunk-activations, does not
-               deadlock, and improves (makespan, sum of the ranks' finish times, sum of all
-               ends): the two tie-breakers let it cross the makespan's plateaus
+               deadlock (most moves at V-Min's memory would: checked before they are timed,
+               ``_Search._deadlocks``), and improves (makespan, sum of the ranks' finish
+               times, sum of all ends): the two tie-breakers let it cross the plateaus
 
 A move never reorders two forwards (or two backwards) of one stage, so microbatches stay in
 order per stage and the result lowers to matching sends and receives. The work is bounded by
@@ -50,6 +51,10 @@ schedules: hundreds of full timings, many descents) all gaps biggest first, whic
 the better basins at p = 4 (m 8-16: 7 of 9 changed points slower with critical-first)."""
 _WINDOW = 6
 """How many positions a move may reach (improve's default)."""
+_PROBE = 64
+"""How many passes the deadlock check (``_Search._deadlocks``) visits before it gives up and
+leaves the move to a timing: at the H100 costs it settles 97-100% of the deadlocked moves of
+v-min's searches at p 4-16 (about 28 passes each at p = 16, m = 16)."""
 W = PassKind.W
 _KINDS = (PassKind.F, PassKind.B, PassKind.W, PassKind.BW)
 
@@ -79,13 +84,19 @@ class _Search:
         self.group = [-1 if a.kind is W else _KINDS.index(a.kind) * stages + a.stage
                       for a in index.actions]  # passes of one kind and stage; W passes none
         self.orders = index.encode(orders)
-        self.completer = {index.key[a]: a for order in self.orders for a in order}
+        self._locate()
         self.overhead = _MOVE_COST + sum(map(len, self.orders)) // 8
         """What a move costs besides the passes it re-times, in passes: building it, and
         copying and summing the schedule's lists (about an eighth of timing all of it)."""
         self.timed = 0
         self.critical_first = True
         self.score, self.timing = self._evaluate(self.orders, None)
+
+    def _locate(self) -> None:
+        """``where``: completion id -> (rank, position) of the pass that completes it."""
+        key = self.index.key
+        self.where = {key[a]: (r, k) for r, order in enumerate(self.orders)
+                      for k, a in enumerate(order)}
 
     # -- objective ---------------------------------------------------------------------------
     def _evaluate(self, orders, cut):
@@ -122,7 +133,7 @@ class _Search:
                 if idle > _EPS:
                     gaps.append(((r, i) not in critical, -idle, r, i))
         gaps.sort()
-        dep, rank = self.index.dep, self.index.rank
+        dep = self.index.dep
         for _, _, r, i in gaps:
             order = self.orders[r]
             for j in range(i + 1, min(len(order), i + 1 + self.window)):
@@ -130,8 +141,7 @@ class _Search:
             waited = dep[order[i]]
             if waited < 0:
                 continue
-            q = rank[waited]
-            k = self.orders[q].index(self.completer[waited])
+            q, k = self.where[waited]
             for to in range(k - 1, max(-1, k - 1 - self.window), -1):
                 yield q, k, to  # the awaited pass earlier on its rank
 
@@ -139,9 +149,7 @@ class _Search:
         """(rank, position) of the passes on the critical path: back from the last pass to
         end, each pass's binding predecessor (its dependency when that ended, plus the hop,
         exactly at its start, else the pass before it on its rank)."""
-        index, timing, delay = self.index, self.timing, self.flow.delay
-        where = {index.key[a]: (r, i) for r, order in enumerate(self.orders)
-                 for i, a in enumerate(order)}
+        index, timing, delay, where = self.index, self.timing, self.flow.delay, self.where
         r = max((q for q in range(len(self.orders)) if self.orders[q]),
                 key=lambda q: timing.ends[q][-1])
         i = len(self.orders[r]) - 1
@@ -166,12 +174,57 @@ class _Search:
                    for other in order[i:j])
 
     def _moved(self, r: int, j: int, i: int):
-        """Rank r's order with the pass at j moved to i < j, or None when not allowed."""
+        """Rank r's order with the pass at j moved to i < j, or None when not allowed or
+        when it would deadlock (``_deadlocks``)."""
         order = self.orders[r]
-        if self._blocked(order, i, j):
+        if self._blocked(order, i, j) or self._deadlocks(r, i, j):
             return None
         new = order[:i] + [order[j]] + order[i:j] + order[j + 1:]
         return new if self._fits(new) else None
+
+    def _deadlocks(self, r: int, i: int, j: int) -> bool:
+        """Whether moving rank r's pass at j to i < j surely deadlocks, found without timing
+        the orders (a timing finds it only after re-laying everything from i: 65 us a move
+        at p = 16, m = 16, where nine of ten moves of v-min's searches deadlock).
+
+        The orders deadlock exactly when the moved pass's dependency descends from the pass
+        at i (the only new cycle: moved pass -> pass at i ~> its dependency -> moved pass;
+        every other new edge shortcuts an old path). A descendant of the pass at i starts at
+        or after its end, so the walk back from the dependency (each pass's dependency and
+        the pass before it on its rank) stops at passes that start earlier, and finds the
+        cycle when it reaches rank r at position i or later. It gives up (False: leaves the
+        move to the timing) after ``_PROBE`` passes. Each pass it visits is charged to the
+        budget like a pass timed, and a deadlock found also a move's fixed cost
+        (``overhead``), as when the timing found it: the budget buys about the moves it
+        bought before (over 384 named builds and searches, p 4-16, four cost ratios, both
+        memory models: 372 the same, 7 faster, 5 slower, in 19% less time), where charging
+        only the passes visited let the search go further but left 34 faster and 9 slower
+        in 10% less time (both: the same two 2-3% slower, at p = 8, m = 16 below V-Min's
+        memory, costs 1,1.2,0.8,0.1, where a different polish won)."""
+        waits = self.index.dep[self.orders[r][j]]
+        if waits < 0:
+            return False
+        starts, end = self.timing.starts, self.timing.ends[r][i]
+        q, k = self.where[waits]
+        if self.timing.ends[q][k] <= end:  # ended before the pass at i did: not below it
+            return False
+        dep, where, orders = self.index.dep, self.where, self.orders
+        stack, seen, visited = [(q, k)], {(q, k)}, 0
+        while stack and visited < _PROBE:
+            q, k = stack.pop()
+            visited += 1
+            before = dep[orders[q][k]]
+            for node in ((q, k - 1) if k else None, where[before] if before >= 0 else None):
+                if node is None or node in seen:
+                    continue
+                if node[0] == r and node[1] >= i:
+                    self.timed += visited + self.overhead
+                    return True
+                if starts[node[0]][node[1]] >= end:
+                    seen.add(node)
+                    stack.append(node)
+        self.timed += visited
+        return False
 
     def _repeated(self, r: int, j: int, i: int, period: int):
         """(order, first position changed) of rank r with the move of the pass at j to i made
@@ -228,6 +281,9 @@ class _Search:
         if score is None or not accept(score):
             return False
         self.orders, self.score, self.timing = trial, score, timing
+        key, where = self.index.key, self.where
+        for k in range(first, len(new)):
+            where[key[new[k]]] = (r, k)
         return True
 
     def kick(self, rng: random.Random, moves: int) -> None:
@@ -261,6 +317,7 @@ class _Search:
                 best = (self.score, self.orders, self.timing)
             else:
                 self.score, self.orders, self.timing = best
+                self._locate()
         return accepted
 
 
