@@ -32,7 +32,7 @@ import heapq
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
-from ..model.deps import hop_table, wake_table
+from ..model.indexed import PassIndex
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
 
@@ -43,15 +43,29 @@ _TOLERANCE = 1e-9
 
 
 class _Rank:
-    """A rank's F and B passes still to run, its pending W passes, clock and activations."""
+    """A rank's F and B passes still to run (ids, indexed.py), its pending W passes, clock
+    and activations."""
 
-    def __init__(self, order, durations: dict):
-        self.rest = collections.deque(a for a in order if a.kind is not W)
-        self.pending: collections.deque[Action] = collections.deque()
-        self.durations = durations
+    def __init__(self, order: list[int], kind: tuple, weight_time: float):
+        self.rest = collections.deque(a for a in order if kind[a] is not W)
+        self.pending: collections.deque[int] = collections.deque()
+        self.weight_time = weight_time
+        """How long one of its W passes takes."""
         self.free_at = 0.0
         self.memory = 0.0
-        self.out: list[Action] = []
+        self.out: list[int] = []
+
+
+class _Shape:
+    """The per-id facts the deferral reads (indexed.py), the hop time and the cap."""
+
+    def __init__(self, index: PassIndex, costs: Costs, memory: MemoryModel, cap: float):
+        self.index, self.comm, self.limit, self.cap = index, costs.comm, cap, cap + _TOLERANCE
+        self.duration = index.durations(pass_durations(index.placement, costs))
+        self.step = index.steps(memory)
+        self.forward = memory.deltas[F]
+        self.weight_of = index.first_id(W, 0) - index.first_id(B, 0)
+        """What turns a B's id into its W's (ids are laid out kind by kind)."""
 
 
 def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
@@ -59,70 +73,74 @@ def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
     """``orders`` with every W moved to where its rank would wait (module doc), within ``cap``
     chunk-activations per rank. Raises ScheduleError when the F and B order cannot run within
     ``cap`` (a forward that does not fit with no W left to free room) or the ranks wait on each
-    other; fused BW passes are left as they are (no W to move)."""
+    other; fused BW passes are left as they are (no W to move). Runs on pass ids: on actions
+    (hashing each at every lookup) a deferral took 14 ms at p = 16, m = 64."""
     if any(a.kind is PassKind.BW for order in orders for a in order):
         raise ScheduleError("fused BW passes have no W to defer")
-    delta = memory.deltas
-    durations = pass_durations(placement, costs)
-    ranks = [_Rank(order, durations[r]) for r, order in enumerate(orders)]
-    microbatches = 1 + max((a.microbatch for order in orders for a in order), default=0)
-    table = hop_table(placement, microbatches)
-    rank_of = [placement.rank_of(s) for s in range(placement.num_stages)]
-    wakes = wake_table(placement, costs.comm, microbatches, frozenset({F, B}))
-    finished: dict[Action, float] = {}  # completion key -> end time
+    index = PassIndex.for_orders(placement, orders)
+    shape = _Shape(index, costs, memory, cap)
+    weight_time = [durations[W] for durations in pass_durations(placement, costs)]
+    ranks = [_Rank(order, index.kind, weight_time[r])
+             for r, order in enumerate(index.encode(orders))]
+    wakes = index.wakes(costs.comm, frozenset({F, B}))
+    finished = [-1.0] * len(index.actions)  # end by id, -1.0: not yet
     wake = [(0.0, r) for r in range(len(ranks))]
     while wake:
-        now, index = heapq.heappop(wake)
-        state = ranks[index]
+        now, rank = heapq.heappop(wake)
+        state = ranks[rank]
         if state.free_at > now + _TOLERANCE or not (state.rest or state.pending):
             continue
-        action = _choose(state, table, rank_of, ranks, finished, costs.comm, now, cap, delta)
+        action = _choose(state, shape, ranks, finished, now)
         if action is None:
             continue  # waits for its dependency: that pass's end wakes it
-        state.free_at = finished[action] = now + state.durations[action.kind]
-        state.memory += delta[action.kind]
+        state.free_at = finished[action] = now + shape.duration[action]
+        state.memory += shape.step[action]
         state.out.append(action)
-        heapq.heappush(wake, (state.free_at, index))
-        for rank, hop in wakes.get(action, ()):
-            heapq.heappush(wake, (state.free_at + hop, rank))
-    stuck = [(i, r.rest[0]) for i, r in enumerate(ranks) if r.rest]
+        heapq.heappush(wake, (state.free_at, rank))
+        for woken, hop in wakes[action]:
+            heapq.heappush(wake, (state.free_at + hop, woken))
+    stuck = [(i, index.actions[r.rest[0]]) for i, r in enumerate(ranks) if r.rest]
     if stuck:
         raise ScheduleError(f"deferring W within {cap:g} chunk-activations leaves ranks "
                             f"waiting: {stuck[:4]}")
-    return tuple(tuple(r.out) for r in ranks)
+    return index.decode([r.out for r in ranks])
 
 
-def _choose(state: _Rank, table, rank_of, ranks, finished, comm, now, cap, delta) -> Action | None:
+def _choose(state: _Rank, shape: _Shape, ranks: list[_Rank], finished: list,
+            now: float) -> int | None:
     """The pass ``state`` starts at ``now``, or None to wait (module doc's rules)."""
     if not state.rest:
         return state.pending.popleft()
     head = state.rest[0]
-    if head.kind is F and state.memory + delta[F] > cap + _TOLERANCE:
+    kind = shape.index.kind[head]
+    if kind is F and state.memory + shape.forward > shape.cap:
         if not state.pending:
-            raise ScheduleError(f"{head} does not fit within {cap:g} chunk-activations "
-                                "and no W is left to free room")
+            raise ScheduleError(f"{shape.index.actions[head]} does not fit within "
+                                f"{shape.limit:g} chunk-activations and no W is left to free "
+                                "room")
         return state.pending.popleft()
-    ready = _ready_at(head, table, rank_of, ranks, finished, comm, now)
+    ready = _ready_at(head, shape, ranks, finished, now)
     if ready <= now + _TOLERANCE:
         state.rest.popleft()
-        if head.kind is B:
-            state.pending.append(Action(W, head.stage, head.microbatch))
+        if kind is B:
+            state.pending.append(head + shape.weight_of)
         return head
-    if state.pending and now + state.durations[W] <= ready + _TOLERANCE:
+    if state.pending and now + state.weight_time <= ready + _TOLERANCE:
         return state.pending.popleft()
     return None
 
 
-def _ready_at(action: Action, table, rank_of, ranks, finished, comm, now) -> float:
+def _ready_at(action: int, shape: _Shape, ranks: list[_Rank], finished: list,
+              now: float) -> float:
     """When ``action`` can start at the earliest: its dependency's end plus a hop across
     ranks; while the dependency has not started, no sooner than it could end if it started
     now on its own rank."""
-    _, dep, remote = table[action]
-    if dep is None:
+    index = shape.index
+    dep = index.dep[action]
+    if dep < 0:
         return now
-    hop = comm if remote else 0.0
-    end = finished.get(dep)
-    if end is None:
-        owner = ranks[rank_of[dep.stage]]
-        end = max(now, owner.free_at) + owner.durations[dep.kind]
+    hop = shape.comm if index.remote[action] else 0.0
+    end = finished[dep]
+    if end < 0.0:
+        end = max(now, ranks[index.rank[dep]].free_at) + shape.duration[dep]
     return end + hop

@@ -83,7 +83,7 @@ from ..model.schedule import Schedule
 from ..model.simulate import SimResult, level_peak, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
 from .freed import FULL_SEARCH_PASSES, freeing_nothing_at_b, refined_under
-from .local import improve, improve_repeated
+from .local import Improved, improve, improve_repeated
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
 
@@ -155,6 +155,9 @@ none at V-Half's or 3p/4, and it costs about 0.3 s at p = 16, m = 64."""
 _EPS = 1e-9
 F, B = PassKind.F, PassKind.B
 _FIXED = (V_MIN, V_HALF, V_ZB)
+_TIMED = (Replay, Improved)
+"""What a builder returns when it timed its orders itself (their makespan is the simulator's:
+the same dataflow, rounded to 1e-9 by local.py, as ``_key`` rounds it)."""
 
 
 class InfeasibleMemoryError(ScheduleError):
@@ -273,6 +276,12 @@ class _Pool:
     """(peak, description) of every order built, within the limit or not."""
     relaid: set = dataclasses.field(default_factory=set)
     """The orders already re-laid (``_fresh``)."""
+    peaks: dict = dataclasses.field(default_factory=dict)
+    results: dict = dataclasses.field(default_factory=dict)
+    """Per distinct orders, their peak and simulated result (None: they deadlock): different
+    builds often give the same orders (a polish that finds nothing, the W deferral of the
+    block and of the wave; 4-12 of about 30 candidates per search at p = 16, m = 64), and a
+    simulation takes 4.5 ms there."""
 
     @property
     def cap(self) -> float:
@@ -284,28 +293,47 @@ class _Pool:
         """The limit in whole chunk-activations: the peak the re-lays lay out to."""
         return int(self.cap + _EPS)
 
-    def consider(self, description: str, build: Callable[[], tuple | Replay],
+    def consider(self, description: str, build: Callable[[], tuple | Replay | Improved],
                  replayable: bool = True) -> None:
         """Builds a candidate and keeps it when it fits the limit and its orders run; a
-        construction that cannot be built (ScheduleError) adds nothing."""
+        construction that cannot be built (ScheduleError) adds nothing. A replay and the local
+        search time their orders themselves (``_TIMED``): not simulated again unless they win.
+        """
         try:
             built = build()
         except ScheduleError:
             return
-        orders = built.orders if isinstance(built, Replay) else built
-        schedule = Schedule("auto", self.placement, self.microbatches, orders)
-        peak = max(peak_memory(schedule, self.memory))
+        timed = isinstance(built, _TIMED)
+        orders = built.orders if timed else built
+        peak = self._peak(orders)
         self.smallest.append((peak, description))
         if peak > self.limit + _EPS:
             return
-        try:  # a replay timed itself; everything else is timed by the simulator
-            result = None if isinstance(built, Replay) else \
-                simulate(schedule, self.costs, self.memory)
-        except ScheduleError:  # a re-laid warm-up can deadlock across ranks
+        result = None if timed else self._simulated(orders)
+        if not timed and result is None:  # a re-laid warm-up can deadlock across ranks
             return
-        makespan = built.makespan if result is None else result.makespan
+        makespan = built.makespan if timed else result.makespan
         self.candidates.append(_Candidate(description, orders, peak, makespan,
                                           len(self.candidates), result, replayable))
+
+    def _peak(self, orders) -> float:
+        """The peak of ``orders`` in units, once per distinct orders (``peaks``)."""
+        if orders not in self.peaks:
+            schedule = Schedule("auto", self.placement, self.microbatches, orders)
+            self.peaks[orders] = max(peak_memory(schedule, self.memory))
+        return self.peaks[orders]
+
+    def _simulated(self, orders) -> SimResult | None:
+        """The simulator's result for ``orders`` (None: they deadlock), once per distinct
+        orders (``results``)."""
+        if orders not in self.results:
+            try:
+                self.results[orders] = simulate(
+                    Schedule("auto", self.placement, self.microbatches, orders), self.costs,
+                    self.memory)
+            except ScheduleError:
+                self.results[orders] = None
+        return self.results[orders]
 
     def fastest(self) -> _Candidate:
         return min(self.candidates, key=_key)
@@ -495,18 +523,18 @@ def _polish_bases(pool: list[_Candidate], count: int) -> list[_Candidate]:
     return bases
 
 
-def _polish(pool: _Pool, orders, budget: int) -> tuple:
+def _polish(pool: _Pool, orders, budget: int) -> Improved:
     """``orders`` improved by the local search within the limit (local.py)."""
     passes = sum(len(order) for order in orders)
     return improve(pool.placement, pool.microbatches, orders, pool.costs, pool.cap, pool.memory,
-                   _capped(budget, passes)).orders
+                   _capped(budget, passes))
 
 
-def _repeated(pool: _Pool, orders) -> tuple:
+def _repeated(pool: _Pool, orders) -> Improved:
     """``orders`` improved by moves repeated per microbatch (local.py), budgeted as ``_polish``."""
     budget = _capped(_REPEATED_BUDGET, sum(len(order) for order in orders))
     return improve_repeated(pool.placement, pool.microbatches, orders, pool.costs, pool.cap,
-                            pool.memory, budget).orders
+                            pool.memory, budget)
 
 
 def _final_budget(p: int, m: int) -> int:

@@ -170,9 +170,12 @@ class _Search:
         """Whether the pass at j may not move to i < j: past its own dependency, or past a
         pass of its kind and stage (W passes may)."""
         mover = order[j]
-        waits, group, key = self.index.dep[mover], self.group[mover], self.index.key
-        return any(key[other] == waits or (group >= 0 and self.group[other] == group)
-                   for other in order[i:j])
+        waits, group, key, groups = self.index.dep[mover], self.group[mover], self.index.key, \
+            self.group
+        for other in order[i:j]:  # a loop, not any(): the repeated moves call this per period
+            if key[other] == waits or (group >= 0 and groups[other] == group):
+                return True
+        return False
 
     def _moved(self, r: int, j: int, i: int):
         """Rank r's order with the pass at j moved to i < j, or None when not allowed or
@@ -237,16 +240,19 @@ class _Search:
         low = -min(actions[mover].microbatch, actions[anchor].microbatch)
         high = m - 1 - max(actions[mover].microbatch, actions[anchor].microbatch)
         first, made = i, 0
+        where = {a: k for k, a in enumerate(new)}  # kept up to date through the splices
         for shift in sorted(range(-(-low // period) * period, high + 1, period), key=abs):
-            try:  # ids are laid out microbatch last: + shift is that many microbatches on
-                at, to = new.index(mover + shift), new.index(anchor + shift)
-            except ValueError:  # that microbatch's pass is fused (BW) or split differently
+            # ids are laid out microbatch last: + shift is that many microbatches on
+            at, to = where.get(mover + shift), where.get(anchor + shift)
+            if at is None or to is None:  # that microbatch's pass is fused (BW) or split
                 continue
             if at <= to or self._blocked(new, to, at):
                 if shift == 0:
                     return None
                 continue
             new[to:at + 1] = [new[at]] + new[to:at]
+            for k in range(to, at + 1):
+                where[new[k]] = k
             first, made = min(first, to), made + 1
         return (new, first) if made > 1 and self._fits(new) else None
 
