@@ -1,11 +1,14 @@
 """The pure-Python benchmarks still run and print one JSON line per case (their numbers go in
 notes; a refactor that breaks them would otherwise go unnoticed until someone needs them)."""
+import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
 
@@ -53,3 +56,7 @@ def test_named_levels_bench_reports_each_name_against_1f1b_and_the_paper():
         assert row["vs_1f1b"] <= row["paper_vs_1f1b"] + 1e-9  # never slower than the paper
         assert row["peak_memory_max"] <= {"zb-1p": 4, "v-half": 3}[row["schedule"]] + 1e-9
         assert row["build_s_median"] > 0 and row["memory_model"] == "1,-0.75,-0.25"
+    built = build_schedule("v-half", 4, 16, parse_costs("2,2.78,0.7,0.05", 4),
+                           memory=parse_memory_model("1,-0.75,-0.25"))
+    digest = hashlib.sha1(repr(built.rank_actions).encode()).hexdigest()[:12]
+    assert rows[1]["orders_sha1"] == digest != rows[0]["orders_sha1"]

@@ -6,11 +6,14 @@
 Defaults are the F : B : W ratio measured on an H100 (README, issue 5) and what B leaves for W
 there (8-25% of a chunk: ``1,-0.75,-0.25``); m = per-rank x p. Per case and name: the makespan
 of the fastest order at the name's memory level and of the paper's fixed order, both over
-1F1B's, their peaks, and the build time of the fastest (median of ``--repeats`` uncached runs).
+1F1B's, their peaks, the build time of the fastest (median of ``--repeats`` uncached runs) and
+a digest of its orders (``orders_sha1``): two runs that print the same digests built the same
+orders, which is how a speed-up is checked to change nothing.
 Targets (issue 15): v-half <= 1.0 x 1F1B (goal 0.95), v-min <= 1.10 x, v-zb <= 0.92 x; a
 named schedule under 0.5 s for p <= 16, m <= 64.
 """
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -55,8 +58,14 @@ def main() -> None:
                     "peak_memory_max": round(ours.peak_memory_max, 4),
                     "paper_peak_memory_max": round(fixed.peak_memory_max, 4),
                     "build_s_median": round(statistics.median(times), 4),
+                    "orders_sha1": orders_digest(fastest),
                     "description": fastest.description,
                 }), flush=True)
+
+
+def orders_digest(schedule) -> str:
+    """The first 12 hex digits of the SHA-1 of the schedule's per-rank orders."""
+    return hashlib.sha1(repr(schedule.rank_actions).encode()).hexdigest()[:12]
 
 
 if __name__ == "__main__":
