@@ -62,9 +62,11 @@ def repeat(block: BuildingBlock, microbatches: int) -> tuple[tuple[Action, ...],
             timed.extend((slot + block.interval * k, kind, Action(kind, stage, k))
                          for k in range(microbatches))
         timed.sort(key=_SLOT)
+        passes = [a for _, _, a in timed]
         if block.split_backward:
-            timed = _place_weight_passes(timed, block.interval, _weight_of)
-        orders.append(tuple(a for _, _, a in timed))
+            passes = _place_weight_passes([s for s, _, _ in timed], [k for _, k, _ in timed],
+                                          passes, block.interval, _weight_of)
+        orders.append(tuple(passes))
     return tuple(orders)
 
 
@@ -73,11 +75,13 @@ def repeated_kinds(block: BuildingBlock, microbatches: int) -> list[list[PassKin
     rank's memory levels depend on (the search reads the peaks of many short repeats)."""
     kinds = []
     for rank_slots in block.slots:
-        timed = sorted(((slot + block.interval * k, kind, None)
+        timed = sorted(((slot + block.interval * k, kind)
                         for (kind, _), slot in rank_slots for k in range(microbatches)), key=_SLOT)
+        rank_kinds = [kind for _, kind in timed]
         if block.split_backward:
-            timed = _place_weight_passes(timed, block.interval, lambda b: None)
-        kinds.append([kind for _, kind, _ in timed])
+            rank_kinds = _place_weight_passes([s for s, _ in timed], rank_kinds, rank_kinds,
+                                              block.interval, _weight_kind)
+        kinds.append(rank_kinds)
     return kinds
 
 
@@ -85,23 +89,30 @@ def _weight_of(b: Action) -> Action:
     return Action(W, b.stage, b.microbatch)
 
 
-def _place_weight_passes(timed, interval, weight_of):
-    """Merge W passes, first in first out, into the free residues after their B: ``timed``
-    holds (slot, kind, pass) sorted by slot; ``weight_of`` gives a B pass's W pass."""
-    free = sorted(set(range(interval)) - {s % interval for s, _, _ in timed})
+def _weight_kind(b: PassKind) -> PassKind:
+    return W
+
+
+def _place_weight_passes(slots: list, kinds: list, items: list, interval: int, weight_of) -> list:
+    """``items`` (passes or their kinds, at ``slots`` in increasing order, of ``kinds``) with
+    W passes merged in, first in first out, into the free residues after their B;
+    ``weight_of`` gives a B item's W item. Parallel lists, not (slot, kind, pass) triples: the
+    search reads the peaks of about 70 repeated blocks per search (p = 16), and indexing the
+    triples took a third of it."""
+    free = sorted(set(range(interval)) - {slot % interval for slot in slots})
     queue, out = deque(), []
-    base = timed[0][0] - timed[0][0] % interval
-    index = 0
-    while index < len(timed) or queue:
+    base = slots[0] - slots[0] % interval
+    index, count = 0, len(slots)
+    while index < count or queue:
         for residue in free:
             slot = base + residue
-            while index < len(timed) and timed[index][0] < slot:
-                out.append(timed[index])
-                if timed[index][1] is B:
-                    queue.append(timed[index][2])
+            while index < count and slots[index] < slot:
+                out.append(items[index])
+                if kinds[index] is B:
+                    queue.append(items[index])
                 index += 1
             if queue:
-                out.append((slot, W, weight_of(queue.popleft())))
+                out.append(weight_of(queue.popleft()))
         base += interval
     return out
 
