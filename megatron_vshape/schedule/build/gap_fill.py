@@ -41,8 +41,9 @@ def fill_gaps(placement: Placement, orders, memory: MemoryModel = MemoryModel()
     """``orders`` with their unit-slot bubbles filled (module doc), within their own peak in
     chunk-activations under ``memory``. Works on pass ids (indexed.py), and a bubble's scan
     stops once every (kind, stage) of the rank was tried, a forward that does not fit too
-    (every later pass is then of a tried kind): the 3 fills of v-min's search at p = 16,
-    m = 64 took 0.115 s on actions and a scan to the rank's end, 0.037 s now, same orders."""
+    (every later pass is then of a tried kind): the 3 gap-filled candidates of v-min's search
+    at p = 16, m = 64 took 0.115 s with their simulations on actions and a scan to the rank's
+    end, 0.037 s now, same orders."""
     index = PassIndex.for_orders(placement, orders)
     grid, column = _grid(index, orders)
     step = index.steps(memory)

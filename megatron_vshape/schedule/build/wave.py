@@ -96,27 +96,23 @@ class _Run:
         self.out = [[] for _ in range(p)]
         index = PassIndex.of(Placement(p, Layout.V), m)
         self.actions = index.actions
-        kinds = (F, F, B, B, W, W)  # by code: _code's four, then W of chunk 0 and 1
+        # Per code (_code's four, then W of chunk 0 and 1) in lists: each pass looked its id
+        # up in a dict keyed by (kind, chunk, rank), its time in a dict per rank.
+        kinds = (F, F, B, B, W, W)
         self.ids = [[index.first_id(kind, self._stage(rank, code % 2)) for rank in range(p)]
                     for code, kind in enumerate(kinds)]
         """[code][rank]: the id of microbatch 0's pass; microbatch k's is k more."""
         self.time = [[durations[rank][kind] for rank in range(p)] for kind in kinds]
         """[code][rank]: how long the pass takes."""
         self.step = [delta[kind] for kind in kinds]
-        """[code]: what the pass adds to the rank's activations (per code, not per kind: a
-        lookup keyed by a PassKind hashes it in Python)."""
+        """[code]: what the pass adds to the rank's activations."""
 
     # -- the V's dependencies ------------------------------------------------------------------
-    def _source(self, kind: PassKind, chunk: int, rank: int):
-        """The rank whose pass of (kind, chunk) this rank's waits for, or None when local."""
-        down = (kind is F) == (chunk == 0)  # F chunk 0 and B chunk 1 flow to higher ranks
-        source = rank - 1 if down else rank + 1
-        return source if 0 <= source < self.p else None
-
     def _arrival(self, kind: PassKind, chunk: int, rank: int, k: int):
         """When input for pass k of (kind, chunk) reaches ``rank`` (None: not scheduled yet;
-        -inf: local, nothing to wait for)."""
-        source = rank - 1 if (kind is F) == (chunk == 0) else rank + 1  # as ``_source``
+        -inf: local, nothing to wait for): from the rank below for a chunk-0 F or a chunk-1 B
+        (they flow to higher ranks), else from the rank above; local past either end."""
+        source = rank - 1 if (kind is F) == (chunk == 0) else rank + 1
         if not 0 <= source < self.p:
             return _LOCAL
         ends = self.end[2 * (kind is B) + chunk][source]
