@@ -235,12 +235,14 @@ class _Search:
         in every period of ``period`` microbatches (module doc), nearest periods first, or
         None when the move itself is not allowed or is made only once (a single move)."""
         order = self.orders[r]
+        if self._blocked(order, i, j):  # the move itself, which the loop below tries first
+            return None
         new, actions, m = list(order), self.index.actions, self.index.microbatches
         mover, anchor = order[j], order[i]
         low = -min(actions[mover].microbatch, actions[anchor].microbatch)
         high = m - 1 - max(actions[mover].microbatch, actions[anchor].microbatch)
         first, made = i, 0
-        where = {a: k for k, a in enumerate(new)}  # kept up to date through the splices
+        where = dict(zip(new, range(len(new))))  # kept up to date through the splices
         for shift in sorted(range(-(-low // period) * period, high + 1, period), key=abs):
             # ids are laid out microbatch last: + shift is that many microbatches on
             at, to = where.get(mover + shift), where.get(anchor + shift)
