@@ -61,7 +61,10 @@ class _Shape:
 
     def __init__(self, index: PassIndex, costs: Costs, memory: MemoryModel, cap: float):
         self.index, self.comm, self.limit, self.cap = index, costs.comm, cap, cap + _TOLERANCE
-        self.duration = index.durations(pass_durations(index.placement, costs))
+        per_rank = pass_durations(index.placement, costs)
+        self.duration = index.durations(per_rank)
+        self.weight_time = [durations[W] for durations in per_rank]
+        """Per rank, how long one of its W passes takes."""
         self.step = index.steps(memory)
         self.forward = memory.deltas[F]
         self.weight_of = index.first_id(W, 0) - index.first_id(B, 0)
@@ -79,8 +82,7 @@ def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
         raise ScheduleError("fused BW passes have no W to defer")
     index = PassIndex.for_orders(placement, orders)
     shape = _Shape(index, costs, memory, cap)
-    weight_time = [durations[W] for durations in pass_durations(placement, costs)]
-    ranks = [_Rank(order, index.kind, weight_time[r])
+    ranks = [_Rank(order, index.kind, shape.weight_time[r])
              for r, order in enumerate(index.encode(orders))]
     wakes = index.wakes(costs.comm, frozenset({F, B}))
     finished = [-1.0] * len(index.actions)  # end by id, -1.0: not yet

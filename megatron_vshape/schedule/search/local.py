@@ -235,22 +235,22 @@ class _Search:
         in every period of ``period`` microbatches (module doc), nearest periods first, or
         None when the move itself is not allowed or is made only once (a single move)."""
         order = self.orders[r]
-        if self._blocked(order, i, j):  # the move itself, which the loop below tries first
+        if self._blocked(order, i, j):
             return None
-        new, actions, m = list(order), self.index.actions, self.index.microbatches
+        new = order[:i] + [order[j]] + order[i:j] + order[j + 1:]  # the move itself first
+        actions, m = self.index.actions, self.index.microbatches
         mover, anchor = order[j], order[i]
         low = -min(actions[mover].microbatch, actions[anchor].microbatch)
         high = m - 1 - max(actions[mover].microbatch, actions[anchor].microbatch)
-        first, made = i, 0
+        first, made = i, 1
         where = dict(zip(new, range(len(new))))  # kept up to date through the splices
-        for shift in sorted(range(-(-low // period) * period, high + 1, period), key=abs):
+        shifts = (shift for shift in range(-(-low // period) * period, high + 1, period) if shift)
+        for shift in sorted(shifts, key=abs):  # then the nearest periods first
             # ids are laid out microbatch last: + shift is that many microbatches on
             at, to = where.get(mover + shift), where.get(anchor + shift)
             if at is None or to is None:  # that microbatch's pass is fused (BW) or split
                 continue
             if at <= to or self._blocked(new, to, at):
-                if shift == 0:
-                    return None
                 continue
             new[to:at + 1] = [new[at]] + new[to:at]
             for k in range(to, at + 1):
