@@ -1,4 +1,6 @@
 """Actions, placement, dependency rule and simulator: exact, hand-checked values."""
+import re
+
 import pytest
 from hypothesis import given, strategies as st
 
@@ -68,6 +70,23 @@ def test_chunk_passes_take_half_and_the_turn_is_local():
     assert r.makespan == pytest.approx(13.0)
     assert r.start[1] == (2.0, 3.0, 8.0, 9.0, 10.0, 11.0)
     assert r.peak_memory == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-1p", "v-min", "v-half", "v-zb"])
+def test_makespan_alone_is_the_simulators_float(name):
+    """The search ranks candidates by ``makespan_of``: it must be the very float ``simulate``
+    gives (ties are broken on it), with hop time and per-rank costs, and fail the same way."""
+    from megatron_vshape.schedule.model.simulate import DeadlockError, makespan_of
+    costs = Costs.build(4, forward=[1, 1.3, 1, 1.1], backward=1.7, weight=0.45, comm=0.07)
+    schedule = build_schedule(name, 4, 12)
+    assert makespan_of(schedule, costs) == simulate(schedule, costs).makespan
+    orders = [list(order) for order in schedule.rank_actions]
+    orders[1].reverse()  # its first pass now waits for passes behind it on its own rank
+    stuck = schedule.with_actions(tuple(map(tuple, orders)))
+    with pytest.raises(DeadlockError) as simulated:
+        simulate(stuck, costs)
+    with pytest.raises(DeadlockError, match=re.escape(str(simulated.value))):
+        makespan_of(stuck, costs)
 
 
 def test_per_rank_costs_and_bad_costs():

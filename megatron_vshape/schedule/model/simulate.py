@@ -23,7 +23,7 @@ from .indexed import Dataflow, PassIndex, gather
 from .placement import Placement
 from .schedule import Schedule
 
-__all__ = ["SimResult", "simulate", "peak_memory", "level_peak", "action_durations", "pass_durations",
+__all__ = ["SimResult", "simulate", "makespan_of", "peak_memory", "level_peak", "action_durations", "pass_durations",
            "time_orders", "DeadlockError"]
 
 
@@ -133,10 +133,7 @@ def simulate(
 ) -> SimResult:
     """Time ``schedule`` under ``costs`` (default: F = B = W = 1, no comm)."""
     costs = costs or Costs.build(schedule.ranks)
-    acts = _compute_orders(schedule)
-    index = PassIndex.for_orders(schedule.placement, acts)
-    durations = index.durations(action_durations(schedule, costs))
-    orders, timing = _dataflow(schedule.placement, index, acts, durations, costs.comm)
+    acts, durations, orders, timing = _timed(schedule, costs)
     starts, ends = timing.starts, timing.ends
     busy = [sum(gather(durations, order)) for order in orders]
     used = [r for r in range(schedule.ranks) if acts[r]]
@@ -156,3 +153,22 @@ def simulate(
         peak_memory_max=max(peaks),
         peak_memory_vs_1f1b=max(peaks) / reference,
     )
+
+
+def makespan_of(schedule: Schedule, costs: Costs | None = None) -> float:
+    """``simulate(schedule, costs).makespan``, the same float, without the rest of the result:
+    what the adaptive search ranks its candidates by (p = 16, m = 64: 1.3 ms of simulate's
+    2.1 ms; the winner alone is simulated in full)."""
+    costs = costs or Costs.build(schedule.ranks)
+    acts, _, _, timing = _timed(schedule, costs)
+    used = [r for r in range(schedule.ranks) if acts[r]]
+    return max(timing.ends[r][-1] for r in used) - min(timing.starts[r][0] for r in used)
+
+
+def _timed(schedule: Schedule, costs: Costs):
+    """(compute orders, duration per pass id, orders as ids, their timing) of ``schedule``."""
+    acts = _compute_orders(schedule)
+    index = PassIndex.for_orders(schedule.placement, acts)
+    durations = index.durations(action_durations(schedule, costs))
+    orders, timing = _dataflow(schedule.placement, index, acts, durations, costs.comm)
+    return acts, durations, orders, timing

@@ -80,7 +80,7 @@ from ..build.wave import wave_schedule
 from ..build.wfill import defer_weight_passes
 from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
-from ..model.simulate import SimResult, level_peak, peak_memory, simulate
+from ..model.simulate import SimResult, level_peak, makespan_of, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
 from .freed import FULL_SEARCH_PASSES, freeing_nothing_at_b, refined_under
 from .local import Improved, improve, improve_repeated
@@ -187,7 +187,6 @@ class _Candidate:
     peak: float
     makespan: float
     rank: int  # position in the candidate list, for deterministic ties
-    result: SimResult | None  # None for a replay: simulated only if it wins
     replayable: bool = True
     """Whether the replays may start from it (module doc: not the finished constructions)."""
 
@@ -277,11 +276,11 @@ class _Pool:
     relaid: set = dataclasses.field(default_factory=set)
     """The orders already re-laid (``_fresh``)."""
     peaks: dict = dataclasses.field(default_factory=dict)
-    results: dict = dataclasses.field(default_factory=dict)
-    """Per distinct orders, their peak and simulated result (None: they deadlock): different
-    builds often give the same orders (a polish that finds nothing, the W deferral of the
-    block and of the wave; 4-12 of about 30 candidates per search at p = 16, m = 64), and a
-    simulation takes 4.5 ms there."""
+    makespans: dict = dataclasses.field(default_factory=dict)
+    """Per distinct orders, their peak and makespan (None: they deadlock): different builds
+    often give the same orders (a polish that finds nothing, the W deferral of the block and
+    of the wave; 4-12 of about 30 candidates per search at p = 16, m = 64), and a timing
+    takes 1.3 ms there."""
 
     @property
     def cap(self) -> float:
@@ -297,8 +296,8 @@ class _Pool:
                  replayable: bool = True) -> None:
         """Builds a candidate and keeps it when it fits the limit and its orders run; a
         construction that cannot be built (ScheduleError) adds nothing. A replay and the local
-        search time their orders themselves (``_TIMED``): not simulated again unless they win.
-        """
+        search time their orders themselves (``_TIMED``): not timed again. Only the winner is
+        simulated in full (``_search_one``)."""
         try:
             built = build()
         except ScheduleError:
@@ -309,12 +308,11 @@ class _Pool:
         self.smallest.append((peak, description))
         if peak > self.limit + _EPS:
             return
-        result = None if timed else self._simulated(orders)
-        if not timed and result is None:  # a re-laid warm-up can deadlock across ranks
+        makespan = built.makespan if timed else self._makespan(orders)
+        if makespan is None:  # a re-laid warm-up can deadlock across ranks
             return
-        makespan = built.makespan if timed else result.makespan
         self.candidates.append(_Candidate(description, orders, peak, makespan,
-                                          len(self.candidates), result, replayable))
+                                          len(self.candidates), replayable))
 
     def _peak(self, orders) -> float:
         """The peak of ``orders`` in units, once per distinct orders (``peaks``)."""
@@ -323,17 +321,16 @@ class _Pool:
             self.peaks[orders] = max(peak_memory(schedule, self.memory))
         return self.peaks[orders]
 
-    def _simulated(self, orders) -> SimResult | None:
-        """The simulator's result for ``orders`` (None: they deadlock), once per distinct
-        orders (``results``)."""
-        if orders not in self.results:
+    def _makespan(self, orders) -> float | None:
+        """The makespan of ``orders`` (None: they deadlock), once per distinct orders
+        (``makespans``)."""
+        if orders not in self.makespans:
             try:
-                self.results[orders] = simulate(
-                    Schedule("auto", self.placement, self.microbatches, orders), self.costs,
-                    self.memory)
+                self.makespans[orders] = makespan_of(
+                    Schedule("auto", self.placement, self.microbatches, orders), self.costs)
             except ScheduleError:
-                self.results[orders] = None
-        return self.results[orders]
+                self.makespans[orders] = None
+        return self.makespans[orders]
 
     def fastest(self) -> _Candidate:
         return min(self.candidates, key=_key)
@@ -366,8 +363,8 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
     winner = pool.fastest()
     schedule = Schedule("auto", pool.placement, m, winner.orders, memory_bound=limit,
                         description=f"auto: {winner.description} (limit {limit:g} units)")
-    result = simulate(schedule, costs, memory) if winner.result is None else winner.result
-    return SearchResult(schedule, result, time.perf_counter() - started, len(pool.candidates))
+    return SearchResult(schedule, simulate(schedule, costs, memory), time.perf_counter() - started,
+                        len(pool.candidates))
 
 
 def _constructions(pool: _Pool) -> tuple[bool, list]:
