@@ -90,15 +90,17 @@ def replay_in_time(
     wakes = index.wakes(costs.comm, kinds)
     finished = [-1.0] * len(index.actions)  # end by completion id, -1.0: not yet
     wake = [(0.0, r) for r in range(len(ranks))]  # (time, rank): when a rank may have work
+    key, pop, push = index.key, heapq.heappop, heapq.heappush
     while wake:  # every end, and every arrival one hop later, wakes the ranks it concerns
         now = wake[0][0]
-        due = set()
-        while wake and wake[0][0] <= now + _TOLERANCE:
-            due.add(heapq.heappop(wake)[1])
-        for rank in sorted(due):
+        limit = now + _TOLERANCE
+        due = {pop(wake)[1]}
+        while wake and wake[0][0] <= limit:
+            due.add(pop(wake)[1])
+        for rank in sorted(due) if len(due) > 1 else due:
             state = ranks[rank]
             if state.free_at > now:  # its own end wakes it again
-                heapq.heappush(wake, (state.free_at, rank))
+                push(wake, (state.free_at, rank))
                 continue
             if not state.rest:
                 continue
@@ -106,10 +108,11 @@ def replay_in_time(
             if action is None:
                 continue
             _run(state, action, shape, now, finished)
-            heapq.heappush(wake, (state.free_at, rank))
-            for woken, delay in wakes[index.key[action]]:
-                if ranks[woken].free_at < state.free_at + delay:  # else its own end wakes it
-                    heapq.heappush(wake, (state.free_at + delay, woken))
+            end = state.free_at
+            push(wake, (end, rank))
+            for woken, delay in wakes[key[action]]:
+                if ranks[woken].free_at < end + delay:  # else its own end wakes it
+                    push(wake, (end + delay, woken))
     if any(r.rest for r in ranks):
         stuck = [(i, index.actions[r.rest[0]]) for i, r in enumerate(ranks) if r.rest]
         raise ScheduleError(f"memory limit {cap:g} chunk-activations leaves ranks waiting: {stuck[:4]}")
@@ -123,21 +126,21 @@ def _run(state: _Rank, action: int, shape: _Shape, now: float, finished: list) -
     index = shape.index
     if not state.out:
         state.first = now
-    state.free_at = now + shape.duration[action]
+    end = state.free_at = now + shape.duration[action]
     state.memory += shape.step[action]
     state.out.append(action)
     if index.kind[action] is F:
         state.forwards[index.chunk[action]] += 1
-    finished[index.key[action]] = state.free_at
+    finished[index.key[action]] = end
 
 
 def _pick(state: _Rank, shape: _Shape, finished: list, now: float) -> int | None:
     """The first pass within the window of the head that is ready at ``now`` and fits."""
     limit = now + _TOLERANCE
-    rest, dep, delay, kind = state.rest, shape.index.dep, shape.delay, shape.index.kind
-    for position in range(min(shape.window, len(rest))):
-        action = rest[position]
-        if kind[action] is F and not _fits(state, shape.index.chunk[action], shape):
+    rest, index, delay = state.rest, shape.index, shape.delay
+    dep, kind = index.dep, index.kind
+    for position, action in enumerate(rest[:shape.window]):
+        if kind[action] is F and not _fits(state, index.chunk[action], shape):
             continue
         d = dep[action]
         if d >= 0:
