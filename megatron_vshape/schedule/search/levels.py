@@ -27,7 +27,7 @@ from ..build.slot_reorder import slot_reorder
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
-from ..model.simulate import peak_memory, simulate
+from ..model.simulate import makespan_of, peak_memory
 from .adaptive import _search_cached, search
 from .freed import freeing_nothing_at_b
 from .local import improve
@@ -75,9 +75,9 @@ def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel
     base = freeing_nothing_at_b(memory)
     if base is not None:  # what fits when B frees nothing fits here too
         candidates.append(_fastest_cached(name, p, m, costs, base))
-    best, best_time = chosen, simulate(chosen, costs, memory).makespan
+    best, best_time = chosen, makespan_of(chosen, costs)
     for other in candidates[1:]:
-        makespan = simulate(other, costs, memory).makespan
+        makespan = makespan_of(other, costs)
         if makespan < best_time - _EPS:
             best, best_time = other, makespan
     return best
@@ -100,7 +100,7 @@ def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float
             continue
         polished = improve(placement, m, orders, costs, cap, memory, _ZB_POLISH_BUDGET)
         for label, candidate in ((how, orders), (f"{how}, polished", polished.orders)):
-            makespan = simulate(paper.with_actions(candidate), costs, memory).makespan
+            makespan = makespan_of(paper.with_actions(candidate), costs)
             if best is None or makespan < best[0] - _EPS:
                 best = (makespan, candidate, label)
     return best[1], best[2]
