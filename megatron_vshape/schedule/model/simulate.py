@@ -23,8 +23,8 @@ from .indexed import Dataflow, PassIndex, gather
 from .placement import Placement
 from .schedule import Schedule
 
-__all__ = ["SimResult", "simulate", "makespan_of", "peak_memory", "level_peak", "action_durations", "pass_durations",
-           "time_orders", "DeadlockError"]
+__all__ = ["SimResult", "simulate", "makespan_of", "peak_memory", "level_peak", "action_durations",
+           "pass_durations", "time_orders", "DeadlockError"]
 
 
 _KIND = operator.itemgetter(0)  # Action's field
