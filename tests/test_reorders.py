@@ -2,9 +2,12 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_vshape.schedule import Layout, Placement, PassKind, Schedule, simulate, validate
+from megatron_vshape.schedule import (Layout, Placement, PassKind, Schedule, ScheduleError, simulate,
+                                      validate)
 from megatron_vshape.schedule.build.blocks import V_HALF, V_MIN, ZB_1P
 from megatron_vshape.schedule.build.compose import REORDERS, compose, repeat
+from megatron_vshape.schedule.build.cooldown import cool_down
+from megatron_vshape.schedule.model.deps import completion_key, dependencies
 from megatron_vshape.schedule.model.simulate import peak_memory
 from megatron_vshape.schedule.build.zbv import zbv_order
 
@@ -25,6 +28,65 @@ def test_cool_down_keeps_bound_and_never_loses_to_plain(p, m_factor, family):
     assert max(peak_memory(schedule)) <= block.memory_bound
     before = simulate(_schedule(plain, block.layout, p, m)).makespan
     assert simulate(schedule).makespan <= before + 1e-9
+
+
+def _slot_walk(orders, placement, cap):
+    """The cool-down reorder walked slot by slot from slot 0, on actions, as its module doc
+    states it: the reference cool_down must match (it takes the part before the first tail
+    from one dataflow timing instead)."""
+    stages = placement.num_stages
+    delta = {PassKind.F: 1, PassKind.B: 0, PassKind.W: -1, PassKind.BW: -1}
+    rest, tails, memory, out, finished = [list(o) for o in orders], [None] * len(orders), \
+        [0] * len(orders), [[] for _ in orders], {}
+    switch = [max(i for i, a in enumerate(o) if a.kind is PassKind.F
+                  and a.stage == placement.stage_of(r, 0)) for r, o in enumerate(orders)]
+
+    def ready(action, t):
+        return all(finished.get(d, float("inf")) <= t for d in dependencies(action, stages))
+
+    def pick(r, t):
+        if tails[r] is None:
+            if rest[r] and ready(rest[r][0], t):
+                if len(out[r]) == switch[r]:
+                    tails[r] = rest[r][1:]
+                return rest[r].pop(0)
+            return None
+        for weights in (False, True):
+            for i, a in enumerate(tails[r]):
+                fits = a.kind is not PassKind.F or memory[r] + 1 <= cap
+                if (a.kind is PassKind.W) == weights and fits and ready(a, t):
+                    return tails[r].pop(i)
+        return None
+
+    t = 0
+    while any(tails[r] if tails[r] is not None else rest[r] for r in range(len(orders))):
+        started = [(r, a) for r in range(len(orders)) if (a := pick(r, t)) is not None]
+        assert started, f"stalled at slot {t}"
+        for r, a in started:
+            out[r].append(a)
+            memory[r] += delta[a.kind]
+            finished[completion_key(a)] = t + 1
+        t += 1
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(2, 12), m_factor=st.floats(0.2, 4), family=st.sampled_from([V_MIN, V_HALF, ZB_1P]))
+def test_cool_down_is_the_slot_walk_of_its_doc(p, m_factor, family):
+    m = max(1, round(m_factor * p))
+    block = family.build(p)
+    placement = Placement(p, block.layout)
+    plain = repeat(block, m)
+    assert cool_down(plain, placement, block.memory_bound_chunks) == \
+        _slot_walk(plain, placement, block.memory_bound_chunks)
+
+
+def test_cool_down_names_the_slot_where_orders_stall():
+    block = V_HALF.build(4)
+    orders = [list(order) for order in repeat(block, 8)]
+    orders[1].reverse()  # rank 1 starts with a pass that waits for passes behind it
+    with pytest.raises(ScheduleError, match="made no progress at slot"):
+        cool_down(orders, Placement(4, Layout.V), block.memory_bound_chunks)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
