@@ -32,8 +32,8 @@ def test_cool_down_keeps_bound_and_never_loses_to_plain(p, m_factor, family):
 
 def _slot_walk(orders, placement, cap):
     """The cool-down reorder walked slot by slot from slot 0, on actions, as its module doc
-    states it: the reference cool_down must match (it takes the part before the first tail
-    from one dataflow timing instead)."""
+    states it: the reference ``cool_down`` must match (it takes the part before the first
+    tail from one dataflow timing instead)."""
     stages = placement.num_stages
     delta = {PassKind.F: 1, PassKind.B: 0, PassKind.W: -1, PassKind.BW: -1}
     rest, tails, memory, out, finished = [list(o) for o in orders], [None] * len(orders), \
