@@ -14,7 +14,7 @@ exceed the bound waits, and a W runs to make room.
 Until the first rank reaches its tail every rank runs its order as early as it can, one pass
 per slot: that is the order's unit-slot timing (model/indexed.py's dataflow, durations 1, no
 hop), so one timing gives it, and the slot-by-slot walk, on pass ids, starts where the first
-tail does (p = 16, m = 64: at about three quarters of the slots; 4 -> 2 ms per compose).
+tail does (p = 16, m = 64: at slot 355 of 427; 4.2 -> 3.2 ms per compose).
 """
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ class _RankCursor:
     @property
     def done(self) -> bool:
         return self.next == len(self.order) and not self.tail
+
+    def advance(self, to: int) -> None:
+        """The passes before position ``to`` are run; past the switch the rest is the tail."""
+        self.next = to
+        if to > self.switch:
+            self.tail, self.next = self.order[to:], len(self.order)
 
 
 class _Walk:
@@ -89,7 +95,7 @@ def cool_down(orders, placement: Placement, cap: int) -> list[list[Action]]:
         t += 1
         if t - idle_since > 1:
             raise ScheduleError(f"cool-down reorder made no progress at slot {t} (memory bound {cap})")
-    return [list(index.decode([c.out])[0]) for c in cursors]
+    return [list(order) for order in index.decode([c.out for c in cursors])]
 
 
 def _until_first_tail(walk: _Walk, ids: list, cursors: list) -> int:
@@ -112,9 +118,7 @@ def _until_first_tail(walk: _Walk, ids: list, cursors: list) -> int:
         cursor.memory = sum(gather(walk.delta, cursor.out))
         for action, start in zip(cursor.out, starts):
             finished[key[action]] = start + 1.0  # whole slots, as floats
-        cursor.next = taken
-        if taken > cursor.switch:
-            cursor.tail, cursor.next = cursor.order[taken:], len(cursor.order)
+        cursor.advance(taken)
     return first
 
 
@@ -125,10 +129,7 @@ def _pick(cursor: _RankCursor, walk: _Walk, t: int) -> int | None:
         action = cursor.order[cursor.next]
         if not walk.ready(action, t):
             return None
-        cursor.next += 1
-        if cursor.next > cursor.switch:
-            cursor.tail = cursor.order[cursor.next:]
-            cursor.next = len(cursor.order)
+        cursor.advance(cursor.next + 1)
         return action
     tail, kind = cursor.tail, walk.index.kind
     for position, action in enumerate(tail):

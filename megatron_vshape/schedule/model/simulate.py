@@ -136,9 +136,7 @@ def simulate(
     acts, durations, orders, timing = _timed(schedule, costs)
     starts, ends = timing.starts, timing.ends
     busy = [sum(gather(durations, order)) for order in orders]
-    used = [r for r in range(schedule.ranks) if acts[r]]
-    first = min(starts[r][0] for r in used)
-    last = max(ends[r][-1] for r in used)
+    used, first, last = _extent(acts, timing)
     makespan = last - first
     span = max(1.0 - busy[r] / (ends[r][-1] - starts[r][0]) for r in used)
     peaks = peak_memory(schedule, memory)
@@ -161,8 +159,16 @@ def makespan_of(schedule: Schedule, costs: Costs | None = None) -> float:
     2.1 ms; the winner alone is simulated in full)."""
     costs = costs or Costs.build(schedule.ranks)
     acts, _, _, timing = _timed(schedule, costs)
-    used = [r for r in range(schedule.ranks) if acts[r]]
-    return max(timing.ends[r][-1] for r in used) - min(timing.starts[r][0] for r in used)
+    _, first, last = _extent(acts, timing)
+    return last - first
+
+
+def _extent(acts, timing) -> tuple[list[int], float, float]:
+    """(the ranks with passes, the first start, the last end) of a timing."""
+    used = [r for r, order in enumerate(acts) if order]
+    first = min(timing.starts[r][0] for r in used)
+    last = max(timing.ends[r][-1] for r in used)
+    return used, first, last
 
 
 def _timed(schedule: Schedule, costs: Costs):
