@@ -10,17 +10,22 @@ activation memory, not for one particular order. So each name stands for a limit
                                                   (build/greedy.py), each polished by the local
                                                   search; the fastest kept
 
-in units of one microbatch's activations of a rank's layer share, under the default memory
-model; under another model (B freeing part of a chunk) the same number of units is the limit,
-so a model that frees more can only make the name faster. With F = B = W and no comm the
-paper's memory table holds exactly (every peak within the name's bound) and the bubbles are at
-most the paper's (p = 8, m = 32: v-min 0.107 against the paper order's 0.123).
+The V names' fastest order then gets its cool-down re-scheduled critical path first
+(build/critical_tail.py), kept where that is faster (at p = 16 it is: v-min at m = 64 and the
+H100 costs 615.36 -> 612.75).
+
+Levels are in units of one microbatch's activations of a rank's layer share, under the
+default memory model; under another model (B freeing part of a chunk) the same number of units
+is the limit, so a model that frees more can only make the name faster. With F = B = W and no
+comm the paper's memory table holds exactly (every peak within the name's bound) and the
+bubbles are at most the paper's (p = 8, m = 32: v-min 0.107 against the paper order's 0.123).
 """
 from __future__ import annotations
 
 import functools
 
 from ..build.compose import compose, repeat
+from ..build.critical_tail import critical_tail
 from ..build.greedy import Policy, greedy_schedule
 from ..build.named import FAMILIES, paper_schedule
 from ..build.slot_reorder import slot_reorder
@@ -80,7 +85,26 @@ def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel
         makespan = makespan_of(other, costs)
         if makespan < best_time - _EPS:
             best, best_time = other, makespan
-    return best
+    if name == "zb-1p":
+        return best
+    tail = _critical_tail(best, costs, memory, level)
+    return tail if tail is not None and makespan_of(tail, costs) < best_time - _EPS else best
+
+
+def _critical_tail(schedule: Schedule, costs: Costs, memory: MemoryModel,
+                   level: float) -> Schedule | None:
+    """``schedule`` with its cool-down re-scheduled critical path first (build/critical_tail.py),
+    or None where that does not apply; the caller keeps it only where it is faster (p = 16:
+    v-min 615.36 -> 612.75 and v-half 805.57 -> 802.89 at m = 128, the H100 costs)."""
+    try:
+        orders = critical_tail(schedule.rank_actions, schedule.placement, costs,
+                               level * schedule.placement.chunks, memory)
+    except ScheduleError:
+        return None
+    head = schedule.description.rpartition(" (level")[0] or schedule.description
+    step = "cool-down critical path first"
+    step += " again" if step in head else ""  # the default model's answer had it already
+    return schedule.with_actions(orders, description=f"{head}, {step} (level {level:g} units)")
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):

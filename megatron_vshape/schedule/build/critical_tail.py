@@ -1,0 +1,200 @@
+"""Cool-down re-scheduled in time, critical path first (an active schedule).
+
+From each rank's last chunk-0 forward on (cooldown.py's tail) a rank has left its up-leg
+forwards, its backwards and its W passes, and the makespan is the last microbatches' walk
+back to rank 0. An order that runs a ready down-leg backward B(r, k) makes an up-leg pass
+that arrives a moment later wait its whole length; but the up-leg pass heads the longer walk
+(after B(2p-1-r, k) come 2p-1-r backwards, after B(r, k) only r). Neither the blocks' orders,
+nor cooldown.py's first-ready rule, nor the local search (the gain needs every rank to change
+at once) see that. This re-schedules every rank's tail by Giffler and Thompson's rule: take
+the pass, of any rank, that can end first; among the passes of its rank that could start
+before that end, run the one with the longest path to the end of the schedule (its bottom
+level: real durations and hops); a forward only when it fits ``cap``. So a rank waits for a
+critical pass rather than start one that would delay it.
+
+At the H100 costs (2, 2.78, 0.7, hop 0.05) v-min at p = 16, m = 64 goes from 615.36 to 612.75,
+which CP-SAT proves the fastest cool-down over the last 60 time units after the same warm-up
+and steady state (scripts/bench/cooldown_gap.py), and v-half at p = 16, m = 128 from 805.57 to
+804.05 (802.89 under ``1,-0.75,-0.25``: re-scheduled under that model again). Where the
+tail's W passes and forwards compete for memory (v-zb, small p) the rule loses to the order it
+starts from: it is a candidate (search/levels.py), kept only where faster. It costs 6-13 ms
+at p = 16, m = 64 (v-min, v-zb), where one timing takes 1.5 ms.
+"""
+from __future__ import annotations
+
+from ..model.actions import Action, PassKind, ScheduleError
+from ..model.costs import Costs, MemoryModel
+from ..model.indexed import Dataflow, PassIndex
+from ..model.placement import Placement
+from ..model.simulate import pass_durations
+
+__all__ = ["critical_tail", "bottom_levels"]
+
+F, B, W = PassKind.F, PassKind.B, PassKind.W
+_EPS = 1e-9
+_NEVER = float("inf")
+
+
+def bottom_levels(index: PassIndex, durations: list[float], delays: list[float]) -> list[float]:
+    """Per pass id, the longest path from its start to the end of the schedule: its duration,
+    then the longest of what waits for it (plus the hop to it). F, B and W passes only (a fused
+    BW completes as its B, which this does not model)."""
+    stages, m = index.placement.num_stages, index.microbatches
+    level = [0.0] * len(index.actions)
+    for stage in range(stages):  # W passes wait for nothing after them
+        first = index.first_id(W, stage)
+        for w in range(first, first + m):
+            level[w] = durations[w]
+    for stage in range(stages):  # B(s) heads B(s-1) and W(s): stages upward
+        first, weight = index.first_id(B, stage), index.first_id(W, stage)
+        below = index.first_id(B, stage - 1) if stage else None
+        for k in range(m):
+            b = first + k
+            after = level[weight + k] + delays[weight + k]
+            if below is not None:
+                after = max(after, level[below + k] + delays[below + k])
+            level[b] = durations[b] + after
+    for stage in reversed(range(stages)):  # F(s) heads F(s+1), the last F its B
+        first = index.first_id(F, stage)
+        then = index.first_id(F, stage + 1) if stage + 1 < stages else index.first_id(B, stage)
+        for k in range(m):
+            level[first + k] = durations[first + k] + level[then + k] + delays[then + k]
+    return level
+
+
+class _Tail:
+    """The re-scheduling's state (module doc): per rank its clock, level and what it can run
+    next, per pass its end once run, and the per-id facts it reads. A rank's F and B passes of
+    one stage run in microbatch order, so of each (kind, stage) only the first left can be
+    next, and of its W passes those whose B has ended: a rank's options are those few, not its
+    whole tail."""
+
+    def __init__(self, index: PassIndex, ids: list[list[int]], costs: Costs,
+                 memory: MemoryModel, cap: float):
+        self.index = index
+        self.duration = index.durations(pass_durations(index.placement, costs))
+        self.delay = index.delays(costs.comm)
+        self.level = bottom_levels(index, self.duration, self.delay)
+        self.step = index.steps(memory)
+        self.cap = cap + _EPS
+        timing = Dataflow(index, self.duration, costs.comm).time(ids)
+        self.end = timing.done
+        self.weight_of = index.first_id(W, 0) - index.first_id(B, 0)
+        self.out, self.clock, self.memory, self.queues, self.weights = [], [], [], [], []
+        self.position, self.rank_of, self.left = {}, {}, []
+        for r, order in enumerate(ids):
+            cut = _switch(index, r, order)
+            tail = order[cut:]
+            self.out.append(order[:cut])
+            self.clock.append(timing.ends[r][cut - 1] if cut else 0.0)
+            self.memory.append(sum(self.step[a] for a in order[:cut]))
+            self.left.append(len(tail))
+            queues: dict = {}
+            for position, a in enumerate(tail):
+                self.end[a] = -1.0
+                self.position[a], self.rank_of[a] = position, r
+                if index.kind[a] is not W:
+                    queues.setdefault((index.kind[a], index.actions[a].stage), []).append(a)
+            self.queues.append([queue[::-1] for queue in queues.values()])  # next one last
+            self.weights.append([])
+        for r, order in enumerate(ids):  # W passes whose B ran before the tail
+            self.weights[r] = [a for a in order[len(self.out[r]):]
+                               if index.kind[a] is W and self.end[a - self.weight_of] >= 0.0]
+
+    def options(self, r: int) -> list[tuple[float, int, int]]:
+        """(earliest start, position in the tail, id) of what rank r can run next: the first
+        F or B left of each of its stages once its dependency has ended (a forward only when
+        it fits), and its W passes whose B has ended."""
+        found, dep, end, delay, clock = [], self.index.dep, self.end, self.delay, self.clock[r]
+        for queue in self.queues[r]:
+            if not queue:
+                continue
+            a = queue[-1]
+            d = dep[a]
+            if d >= 0 and end[d] < 0.0 or self.memory[r] + self.step[a] > self.cap:
+                continue
+            ready = end[d] + delay[a] if d >= 0 else 0.0
+            found.append((ready if ready > clock else clock, self.position[a], a))
+        for w in self.weights[r]:
+            ready = end[dep[w]] + delay[w]
+            found.append((ready if ready > clock else clock, self.position[w], w))
+        return found
+
+    def next_passes(self, r: int) -> list[int]:
+        """What rank r waits to run: the first F or B left of each stage, its W passes."""
+        return [queue[-1] for queue in self.queues[r] if queue] + self.weights[r]
+
+    def run(self, r: int, start: float, a: int) -> list[int]:
+        """Runs ``a`` on rank r from ``start``; returns the ranks whose options changed."""
+        if self.index.kind[a] is W:
+            self.weights[r].remove(a)
+        else:
+            next(q for q in self.queues[r] if q and q[-1] == a).pop()
+        self.out[r].append(a)
+        self.clock[r] = self.end[a] = start + self.duration[a]
+        self.memory[r] += self.step[a]
+        self.left[r] -= 1
+        touched = {r}
+        for waiter in _waiters(self.index, a):
+            q = self.rank_of.get(waiter)
+            if q is not None and self.end[waiter] < 0.0:
+                touched.add(q)
+                if self.index.kind[waiter] is W:
+                    self.weights[q].append(waiter)
+        return sorted(touched)
+
+
+def critical_tail(orders, placement: Placement, costs: Costs, cap: float,
+                  memory: MemoryModel = MemoryModel()) -> tuple[tuple[Action, ...], ...]:
+    """``orders`` with every rank's tail re-scheduled (module doc), each rank within ``cap``
+    chunk-activations. Raises ScheduleError for fused BW passes and when the tails cannot
+    run (a forward that never fits)."""
+    if any(a.kind is PassKind.BW for order in orders for a in order):
+        raise ScheduleError("fused BW passes: no bottom levels for them")
+    index = PassIndex.for_orders(placement, orders)
+    state = _Tail(index, index.encode(orders), costs, memory, cap)
+    options = {r: _soonest(state, state.options(r)) for r in range(len(orders)) if state.left[r]}
+    while options:
+        # the pass that can end first (ties: the lower rank), then its rank's conflict set
+        end, r = min((soonest, r) for r, (soonest, _) in options.items())
+        if end == _NEVER:
+            stuck = [index.actions[a] for q in options for a in state.next_passes(q)]
+            raise ScheduleError(f"critical tail: no rank can run its next pass: {stuck[:4]}")
+        conflict = [o for o in options[r][1] if o[0] < end - _EPS]
+        start, _, a = max(conflict, key=lambda o: (state.level[o[2]], -o[1]))
+        for q in state.run(r, start, a):
+            if state.left[q]:
+                options[q] = _soonest(state, state.options(q))
+            else:
+                options.pop(q, None)
+    return index.decode(state.out)
+
+
+def _soonest(state: _Tail, found: list) -> tuple[float, list]:
+    """(the earliest end of ``found``'s passes, ``found``): kept per rank, so each step looks
+    at one number per rank."""
+    duration = state.duration
+    return min((s + duration[a] for s, _, a in found), default=_NEVER), found
+
+
+def _waiters(index: PassIndex, a: int) -> list[int]:
+    """The ids whose dependency is ``a`` (deps.py's rule read backwards)."""
+    action, stages = index.actions[a], index.placement.num_stages
+    kind, stage, k = action.kind, action.stage, action.microbatch
+    if kind is F:
+        nxt = index.first_id(F, stage + 1) if stage + 1 < stages else index.first_id(B, stage)
+        return [nxt + k]
+    if kind is B:
+        out = [index.first_id(W, stage) + k]
+        if stage:
+            out.append(index.first_id(B, stage - 1) + k)
+        return out
+    return []
+
+
+def _switch(index: PassIndex, rank: int, order: list[int]) -> int:
+    """Where rank's tail starts: after its last chunk-0 forward (its whole order when it has
+    none)."""
+    first = index.first_id(F, index.placement.stage_of(rank, 0))
+    last = [i for i, a in enumerate(order) if first <= a < first + index.microbatches]
+    return last[-1] + 1 if last else 0
