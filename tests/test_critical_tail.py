@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import (Action, Costs, MemoryModel, PassKind, ScheduleError,
                                       build_schedule, parse_costs, search, simulate, validate)
-from megatron_vshape.schedule.build.critical_tail import bottom_levels, critical_tail
+from megatron_vshape.schedule.build.critical_tail import LINES, bottom_levels, critical_tail
 from megatron_vshape.schedule.model.deps import dependencies
 from megatron_vshape.schedule.model.indexed import PassIndex
 from megatron_vshape.schedule.model.simulate import action_durations, pass_durations
@@ -16,7 +16,19 @@ F, B, W = PassKind.F, PassKind.B, PassKind.W
 _H100 = "2,2.78,0.7,0.05"
 
 
-def _reference(schedule, costs, memory, cap):
+def _cut(schedule, timing, line):
+    """Per rank, how many of its passes stay (critical_tail's ``line``), from its doc."""
+    own = [max((i + 1 for i, a in enumerate(order)
+                if a.kind is F and a.stage == schedule.placement.stage_of(r, 0)), default=0)
+           for r, order in enumerate(schedule.rank_actions)]
+    if line == "own":
+        return own
+    last = [timing.start[r][k - 1] for r, k in enumerate(own) if k]
+    at = min(last) if line == "first" else (min(last) + max(last)) / 2
+    return [sum(1 for start in starts if start <= at) for starts in timing.start]
+
+
+def _reference(schedule, costs, memory, cap, line):
     """The module doc's rule, written plainly on actions: every step looks at every pass left
     (quadratic, for small schedules only)."""
     p, stages = schedule.placement.ranks, schedule.num_stages
@@ -37,10 +49,7 @@ def _reference(schedule, costs, memory, cap):
 
     every = [a for order in schedule.rank_actions for a in order]
     end, out, tails, clock, held = {}, [], [], [], []
-    for r, order in enumerate(schedule.rank_actions):
-        chunk0 = schedule.placement.stage_of(r, 0)
-        cut = max((i + 1 for i, a in enumerate(order) if a.kind is F and a.stage == chunk0),
-                  default=0)
+    for r, (order, cut) in enumerate(zip(schedule.rank_actions, _cut(schedule, timing, line))):
         out.append(list(order[:cut]))
         tails.append(list(order[cut:]))
         for a, e in zip(order[:cut], timing.end[r][:cut]):
@@ -73,29 +82,28 @@ def _reference(schedule, costs, memory, cap):
     return tuple(tuple(order) for order in out)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(p=st.integers(2, 5), m_factor=st.integers(1, 3),
        name=st.sampled_from(["v-min", "v-half", "v-zb"]),
        ratios=st.tuples(st.sampled_from([1.0, 2.0]), st.sampled_from([1.0, 1.2, 2.78]),
                         st.sampled_from([0.35, 0.7, 1.0]), st.sampled_from([0.0, 0.05, 0.5])),
-       frees=st.sampled_from([0.0, 0.75]))
+       frees=st.sampled_from([0.0, 0.75]), line=st.sampled_from(LINES))
 def test_critical_tail_is_the_rule_of_its_doc_and_a_valid_schedule(p, m_factor, name, ratios,
-                                                                  frees):
-    """The same orders as the plain reference over paper orders of every V name; the prefix
-    up to each rank's last chunk-0 forward kept, the same passes per rank, within the cap, and
-    valid (matching sends and receives)."""
+                                                                  frees, line):
+    """The same orders as the plain reference over paper orders of every V name and every
+    line; what comes before the line kept, the same passes per rank, within the cap, and valid
+    (matching sends and receives)."""
     paper = build_schedule(name, p, m_factor * p, variant="paper")
     costs, memory = Costs.build(p, *ratios), MemoryModel(1, -frees, frees - 1)
     cap = paper.memory_bound * paper.placement.chunks
-    orders = critical_tail(paper.rank_actions, paper.placement, costs, cap, memory)
-    assert orders == _reference(paper, costs, memory, cap)
+    orders = critical_tail(paper.rank_actions, paper.placement, costs, cap, memory, line)
+    assert orders == _reference(paper, costs, memory, cap, line)
     tailed = paper.with_actions(orders)
     validate(tailed, paper.memory_bound, memory)
-    for r, (old, new) in enumerate(zip(paper.rank_actions, orders)):
+    kept = _cut(paper, simulate(paper, costs), line)
+    for old, new, k in zip(paper.rank_actions, orders, kept):
         assert Counter(old) == Counter(new)
-        last_f = max(i for i, a in enumerate(old)
-                     if a.kind is F and a.stage == paper.placement.stage_of(r, 0))
-        assert new[:last_f + 1] == old[:last_f + 1]
+        assert new[:k] == old[:k]
 
 
 def test_bottom_levels_follow_the_longest_chain_to_the_end():
@@ -127,10 +135,12 @@ def test_critical_tail_shortens_v_mins_cool_down_at_p16_h100_costs():
     assert after < before - 2.0
 
 
-def test_critical_tail_refuses_fused_passes_and_a_cap_nothing_fits():
+def test_critical_tail_refuses_fused_passes_an_unknown_line_and_a_cap_nothing_fits():
     fused = build_schedule("1f1b", 2, 2)  # one chunk, BW passes
     with pytest.raises(ScheduleError, match="fused BW"):
         critical_tail(fused.rank_actions, fused.placement, Costs.build(2), 2.0)
     paper = build_schedule("v-half", 4, 8, variant="paper")
+    with pytest.raises(ScheduleError, match="line 'last' is not one of own, first, middle"):
+        critical_tail(paper.rank_actions, paper.placement, Costs.build(4), 6.0, line="last")
     with pytest.raises(ScheduleError, match="no rank can run its next pass"):
         critical_tail(paper.rank_actions, paper.placement, Costs.build(4), 0.5)

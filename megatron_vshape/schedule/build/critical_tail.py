@@ -10,17 +10,23 @@ at once) see that. This re-schedules every rank's tail by Giffler and Thompson's
 the pass, of any rank, that can end first; among the passes of its rank that could start
 before that end, run the one with the longest path to the end of the schedule (its bottom
 level: real durations and hops); a forward only when it fits ``cap``. So a rank waits for a
-critical pass rather than start one that would delay it.
+critical pass rather than start one that would delay it. Where the tails start is a choice
+(``LINES``): after each rank's own last chunk-0 forward, or at one time on every rank, so that
+the later ranks' last forwards move too; over 108 named builds (p 4-16, m 4p-8p, three cost
+ratios, both memory models) the first is faster than the order it starts from at 20, by up to
+0.6%, and the other two at 17 more, by up to 0.75%.
 
 At the H100 costs (2, 2.78, 0.7, hop 0.05) v-min at p = 16, m = 64 goes from 615.36 to 612.75,
 which CP-SAT proves the fastest cool-down over the last 60 time units after the same warm-up
 and steady state (scripts/bench/cooldown_gap.py), and v-half at p = 16, m = 128 from 805.57 to
-804.05 (802.89 under ``1,-0.75,-0.25``: re-scheduled under that model again). Where the
-tail's W passes and forwards compete for memory (v-zb, small p) the rule loses to the order it
-starts from: it is a candidate (search/levels.py), kept only where faster. It costs 6-13 ms
-at p = 16, m = 64 (v-min, v-zb), where one timing takes 1.5 ms.
+802.09 (801.99 under ``1,-0.75,-0.25``), both from the middle line. Where the tail's W passes
+and forwards compete for memory (v-zb, small p) the rule loses to the order it starts from: it
+is a candidate (search/levels.py), kept only where faster. One line costs 6-13 ms at p = 16,
+m = 64 (v-min, v-zb), where one timing takes 1.5 ms.
 """
 from __future__ import annotations
+
+import bisect
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
@@ -28,7 +34,10 @@ from ..model.indexed import Dataflow, PassIndex
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
 
-__all__ = ["critical_tail", "bottom_levels"]
+__all__ = ["LINES", "critical_tail", "bottom_levels"]
+
+LINES = ("own", "first", "middle")
+"""Where the tails may start (``critical_tail``): each of them wins somewhere."""
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
 _EPS = 1e-9
@@ -70,7 +79,7 @@ class _Tail:
     whole tail."""
 
     def __init__(self, index: PassIndex, ids: list[list[int]], costs: Costs,
-                 memory: MemoryModel, cap: float):
+                 memory: MemoryModel, cap: float, line: str):
         self.index = index
         self.duration = index.durations(pass_durations(index.placement, costs))
         self.delay = index.delays(costs.comm)
@@ -82,8 +91,7 @@ class _Tail:
         self.weight_of = index.first_id(W, 0) - index.first_id(B, 0)
         self.out, self.clock, self.memory, self.queues, self.weights = [], [], [], [], []
         self.position, self.rank_of, self.left = {}, {}, []
-        for r, order in enumerate(ids):
-            cut = _switch(index, r, order)
+        for r, (order, cut) in enumerate(zip(ids, _cuts(index, ids, timing, line))):
             tail = order[cut:]
             self.out.append(order[:cut])
             self.clock.append(timing.ends[r][cut - 1] if cut else 0.0)
@@ -145,14 +153,20 @@ class _Tail:
 
 
 def critical_tail(orders, placement: Placement, costs: Costs, cap: float,
-                  memory: MemoryModel = MemoryModel()) -> tuple[tuple[Action, ...], ...]:
+                  memory: MemoryModel = MemoryModel(),
+                  line: str = "own") -> tuple[tuple[Action, ...], ...]:
     """``orders`` with every rank's tail re-scheduled (module doc), each rank within ``cap``
-    chunk-activations. Raises ScheduleError for fused BW passes and when the tails cannot
-    run (a forward that never fits)."""
+    chunk-activations. Where the tails start (``LINES``): ``own``, after each rank's last
+    chunk-0 forward; ``first``, at the time the first rank runs its last one, the same time
+    on every rank (so the later ranks' last chunk-0 forwards are re-scheduled too); ``middle``,
+    halfway between that and the last rank's. Raises ScheduleError for fused BW passes, an
+    unknown line, and when the tails cannot run (a forward that never fits)."""
+    if line not in LINES:
+        raise ScheduleError(f"critical tail: line {line!r} is not one of {', '.join(LINES)}")
     if any(a.kind is PassKind.BW for order in orders for a in order):
         raise ScheduleError("fused BW passes: no bottom levels for them")
     index = PassIndex.for_orders(placement, orders)
-    state = _Tail(index, index.encode(orders), costs, memory, cap)
+    state = _Tail(index, index.encode(orders), costs, memory, cap, line)
     options = {r: _soonest(state, state.options(r)) for r in range(len(orders)) if state.left[r]}
     while options:
         # the pass that can end first (ties: the lower rank), then its rank's conflict set
@@ -190,6 +204,16 @@ def _waiters(index: PassIndex, a: int) -> list[int]:
             out.append(index.first_id(B, stage - 1) + k)
         return out
     return []
+
+
+def _cuts(index: PassIndex, ids: list[list[int]], timing, line: str) -> list[int]:
+    """Per rank, the position where its tail starts (``critical_tail``'s ``line``)."""
+    own = [_switch(index, r, order) for r, order in enumerate(ids)]
+    if line == "own":
+        return own
+    last = [timing.starts[r][k - 1] for r, k in enumerate(own) if k]  # last chunk-0 forwards
+    at = min(last) if line == "first" else (min(last) + max(last)) / 2
+    return [bisect.bisect_right(starts, at) for starts in timing.starts]  # starts ascend
 
 
 def _switch(index: PassIndex, rank: int, order: list[int]) -> int:

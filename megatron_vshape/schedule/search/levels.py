@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 
 from ..build.compose import compose, repeat
-from ..build.critical_tail import critical_tail
+from ..build.critical_tail import LINES, critical_tail
 from ..build.greedy import Policy, greedy_schedule
 from ..build.named import FAMILIES, paper_schedule
 from ..build.slot_reorder import slot_reorder
@@ -94,17 +94,25 @@ def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel
 def _critical_tail(schedule: Schedule, costs: Costs, memory: MemoryModel,
                    level: float) -> Schedule | None:
     """``schedule`` with its cool-down re-scheduled critical path first (build/critical_tail.py),
-    or None where that does not apply; the caller keeps it only where it is faster (p = 16:
-    v-min 615.36 -> 612.75 and v-half 805.57 -> 802.89 at m = 128, the H100 costs)."""
-    try:
-        orders = critical_tail(schedule.rank_actions, schedule.placement, costs,
-                               level * schedule.placement.chunks, memory)
-    except ScheduleError:
+    the fastest of the three lines where the tails may start, or None where that does not
+    apply; the caller keeps it only where it is faster (p = 16: v-min 615.36 -> 612.75 at the
+    H100 costs)."""
+    best = None
+    for line in LINES:
+        try:
+            orders = critical_tail(schedule.rank_actions, schedule.placement, costs,
+                                   level * schedule.placement.chunks, memory, line)
+        except ScheduleError:
+            continue
+        makespan = makespan_of(schedule.with_actions(orders), costs)
+        if best is None or makespan < best[0] - _EPS:
+            best = (makespan, orders, line)
+    if best is None:
         return None
     head = schedule.description.rpartition(" (level")[0] or schedule.description
-    step = "cool-down critical path first"
-    step += " again" if step in head else ""  # the default model's answer had it already
-    return schedule.with_actions(orders, description=f"{head}, {step} (level {level:g} units)")
+    step = f"cool-down critical path first ({best[2]} line)"
+    step += " again" if "cool-down critical path first" in head else ""  # the default model's
+    return schedule.with_actions(best[1], description=f"{head}, {step} (level {level:g} units)")
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):
