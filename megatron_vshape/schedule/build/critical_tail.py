@@ -34,7 +34,7 @@ from ..model.indexed import Dataflow, PassIndex
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
 
-__all__ = ["LINES", "critical_tail", "bottom_levels"]
+__all__ = ["LINES", "critical_tail", "critical_tails", "bottom_levels"]
 
 LINES = ("own", "first", "middle")
 """Where the tails may start (``critical_tail``): each of them wins somewhere."""
@@ -71,31 +71,42 @@ def bottom_levels(index: PassIndex, durations: list[float], delays: list[float])
     return level
 
 
-class _Tail:
-    """The re-scheduling's state (module doc): per rank its clock, level and what it can run
-    next, per pass its end once run, and the per-id facts it reads. A rank's F and B passes of
-    one stage run in microbatch order, so of each (kind, stage) only the first left can be
-    next, and of its W passes those whose B has ended: a rank's options are those few, not its
-    whole tail."""
+class _Shape:
+    """What every line's re-scheduling reads and none changes: the orders as ids, per-id
+    durations, hops, memory steps and bottom levels, and the orders' own timing (computed once
+    for the three lines)."""
 
-    def __init__(self, index: PassIndex, ids: list[list[int]], costs: Costs,
-                 memory: MemoryModel, cap: float, line: str):
-        self.index = index
-        self.duration = index.durations(pass_durations(index.placement, costs))
+    def __init__(self, orders, placement: Placement, costs: Costs, memory: MemoryModel,
+                 cap: float):
+        index = self.index = PassIndex.for_orders(placement, orders)
+        self.ids = index.encode(orders)
+        self.duration = index.durations(pass_durations(placement, costs))
         self.delay = index.delays(costs.comm)
         self.level = bottom_levels(index, self.duration, self.delay)
         self.step = index.steps(memory)
         self.cap = cap + _EPS
-        timing = Dataflow(index, self.duration, costs.comm).time(ids)
-        self.end = timing.done
-        self.weight_of = index.first_id(W, 0) - index.first_id(B, 0)
+        self.timing = Dataflow(index, self.duration, costs.comm).time(self.ids)
+        self.span = placement.num_stages * index.microbatches
+        """Ids are laid out kind, stage, microbatch: + span is the next kind (F -> B -> W) of
+        the same stage and microbatch, + microbatches the next stage."""
+
+
+class _Tail:
+    """One line's re-scheduling (module doc): per rank its clock, level and what it can run
+    next, per pass its end once run. A rank's F and B passes of one stage run in microbatch
+    order, so of each (kind, stage) only the first left can be next, and of its W passes those
+    whose B has ended: a rank's options are those few, not its whole tail."""
+
+    def __init__(self, shape: _Shape, line: str):
+        self.shape, index, timing = shape, shape.index, shape.timing
+        self.end = timing.done[:]
         self.out, self.clock, self.memory, self.queues, self.weights = [], [], [], [], []
         self.position, self.rank_of, self.left = {}, {}, []
-        for r, (order, cut) in enumerate(zip(ids, _cuts(index, ids, timing, line))):
+        for r, (order, cut) in enumerate(zip(shape.ids, _cuts(index, shape.ids, timing, line))):
             tail = order[cut:]
             self.out.append(order[:cut])
             self.clock.append(timing.ends[r][cut - 1] if cut else 0.0)
-            self.memory.append(sum(self.step[a] for a in order[:cut]))
+            self.memory.append(sum(shape.step[a] for a in order[:cut]))
             self.left.append(len(tail))
             queues: dict = {}
             for position, a in enumerate(tail):
@@ -104,22 +115,22 @@ class _Tail:
                 if index.kind[a] is not W:
                     queues.setdefault((index.kind[a], index.actions[a].stage), []).append(a)
             self.queues.append([queue[::-1] for queue in queues.values()])  # next one last
-            self.weights.append([])
-        for r, order in enumerate(ids):  # W passes whose B ran before the tail
-            self.weights[r] = [a for a in order[len(self.out[r]):]
-                               if index.kind[a] is W and self.end[a - self.weight_of] >= 0.0]
+        for r, order in enumerate(shape.ids):  # W passes whose B ran before the tail
+            self.weights.append([a for a in order[len(self.out[r]):]
+                                 if index.kind[a] is W and self.end[a - shape.span] >= 0.0])
 
     def options(self, r: int) -> list[tuple[float, int, int]]:
         """(earliest start, position in the tail, id) of what rank r can run next: the first
         F or B left of each of its stages once its dependency has ended (a forward only when
         it fits), and its W passes whose B has ended."""
-        found, dep, end, delay, clock = [], self.index.dep, self.end, self.delay, self.clock[r]
+        shape = self.shape
+        found, dep, end, delay, clock = [], shape.index.dep, self.end, shape.delay, self.clock[r]
         for queue in self.queues[r]:
             if not queue:
                 continue
             a = queue[-1]
             d = dep[a]
-            if d >= 0 and end[d] < 0.0 or self.memory[r] + self.step[a] > self.cap:
+            if d >= 0 and end[d] < 0.0 or self.memory[r] + shape.step[a] > shape.cap:
                 continue
             ready = end[d] + delay[a] if d >= 0 else 0.0
             found.append((ready if ready > clock else clock, self.position[a], a))
@@ -134,22 +145,58 @@ class _Tail:
 
     def run(self, r: int, start: float, a: int) -> list[int]:
         """Runs ``a`` on rank r from ``start``; returns the ranks whose options changed."""
-        if self.index.kind[a] is W:
+        shape = self.shape
+        if shape.index.kind[a] is W:
             self.weights[r].remove(a)
         else:
             next(q for q in self.queues[r] if q and q[-1] == a).pop()
         self.out[r].append(a)
-        self.clock[r] = self.end[a] = start + self.duration[a]
-        self.memory[r] += self.step[a]
+        self.clock[r] = self.end[a] = start + shape.duration[a]
+        self.memory[r] += shape.step[a]
         self.left[r] -= 1
         touched = {r}
-        for waiter in _waiters(self.index, a):
+        for waiter in _waiters(shape, a):
             q = self.rank_of.get(waiter)
             if q is not None and self.end[waiter] < 0.0:
                 touched.add(q)
-                if self.index.kind[waiter] is W:
+                if shape.index.kind[waiter] is W:
                     self.weights[q].append(waiter)
         return sorted(touched)
+
+    def schedule(self) -> list[list[int]]:
+        """The orders, every tail re-scheduled (module doc); ScheduleError when stuck."""
+        shape = self.shape
+        options = {r: _soonest(shape, self.options(r)) for r in range(len(self.out))
+                   if self.left[r]}
+        while options:
+            # the pass that can end first (ties: the lower rank), then its rank's conflict set
+            end, r = min((soonest, r) for r, (soonest, _) in options.items())
+            if end == _NEVER:
+                stuck = [shape.index.actions[a] for q in options for a in self.next_passes(q)]
+                raise ScheduleError(f"critical tail: no rank can run its next pass: {stuck[:4]}")
+            conflict = [o for o in options[r][1] if o[0] < end - _EPS]
+            start, _, a = max(conflict, key=lambda o: (shape.level[o[2]], -o[1]))
+            for q in self.run(r, start, a):
+                if self.left[q]:
+                    options[q] = _soonest(shape, self.options(q))
+                else:
+                    options.pop(q, None)
+        return self.out
+
+
+def critical_tails(orders, placement: Placement, costs: Costs, cap: float,
+                   memory: MemoryModel = MemoryModel(), lines=LINES) -> dict:
+    """{line: ``critical_tail``'s orders from it} for each of ``lines``, sharing what the lines
+    read; a line whose tails cannot run (a forward that never fits) is left out."""
+    _check(orders, lines)
+    shape = _Shape(orders, placement, costs, memory, cap)
+    out = {}
+    for line in lines:
+        try:
+            out[line] = shape.index.decode(_Tail(shape, line).schedule())
+        except ScheduleError:
+            continue
+    return out
 
 
 def critical_tail(orders, placement: Placement, costs: Costs, cap: float,
@@ -161,49 +208,36 @@ def critical_tail(orders, placement: Placement, costs: Costs, cap: float,
     on every rank (so the later ranks' last chunk-0 forwards are re-scheduled too); ``middle``,
     halfway between that and the last rank's. Raises ScheduleError for fused BW passes, an
     unknown line, and when the tails cannot run (a forward that never fits)."""
-    if line not in LINES:
-        raise ScheduleError(f"critical tail: line {line!r} is not one of {', '.join(LINES)}")
+    _check(orders, (line,))
+    shape = _Shape(orders, placement, costs, memory, cap)
+    return shape.index.decode(_Tail(shape, line).schedule())
+
+
+def _check(orders, lines) -> None:
+    unknown = [line for line in lines if line not in LINES]
+    if unknown:
+        raise ScheduleError(f"critical tail: line {unknown[0]!r} is not one of "
+                            f"{', '.join(LINES)}")
     if any(a.kind is PassKind.BW for order in orders for a in order):
         raise ScheduleError("fused BW passes: no bottom levels for them")
-    index = PassIndex.for_orders(placement, orders)
-    state = _Tail(index, index.encode(orders), costs, memory, cap, line)
-    options = {r: _soonest(state, state.options(r)) for r in range(len(orders)) if state.left[r]}
-    while options:
-        # the pass that can end first (ties: the lower rank), then its rank's conflict set
-        end, r = min((soonest, r) for r, (soonest, _) in options.items())
-        if end == _NEVER:
-            stuck = [index.actions[a] for q in options for a in state.next_passes(q)]
-            raise ScheduleError(f"critical tail: no rank can run its next pass: {stuck[:4]}")
-        conflict = [o for o in options[r][1] if o[0] < end - _EPS]
-        start, _, a = max(conflict, key=lambda o: (state.level[o[2]], -o[1]))
-        for q in state.run(r, start, a):
-            if state.left[q]:
-                options[q] = _soonest(state, state.options(q))
-            else:
-                options.pop(q, None)
-    return index.decode(state.out)
 
 
-def _soonest(state: _Tail, found: list) -> tuple[float, list]:
+def _soonest(shape: _Shape, found: list) -> tuple[float, list]:
     """(the earliest end of ``found``'s passes, ``found``): kept per rank, so each step looks
     at one number per rank."""
-    duration = state.duration
+    duration = shape.duration
     return min((s + duration[a] for s, _, a in found), default=_NEVER), found
 
 
-def _waiters(index: PassIndex, a: int) -> list[int]:
-    """The ids whose dependency is ``a`` (deps.py's rule read backwards)."""
-    action, stages = index.actions[a], index.placement.num_stages
-    kind, stage, k = action.kind, action.stage, action.microbatch
-    if kind is F:
-        nxt = index.first_id(F, stage + 1) if stage + 1 < stages else index.first_id(B, stage)
-        return [nxt + k]
-    if kind is B:
-        out = [index.first_id(W, stage) + k]
-        if stage:
-            out.append(index.first_id(B, stage - 1) + k)
-        return out
-    return []
+def _waiters(shape: _Shape, a: int) -> tuple[int, ...]:
+    """The ids whose dependency is ``a`` (deps.py's rule read backwards, by the id layout)."""
+    kind, m, span = shape.index.kind[a], shape.index.microbatches, shape.span
+    stage = (a % span) // m
+    if kind is F:  # the next stage's F; the last stage's F heads its own B
+        return (a + m,) if stage + 1 < shape.index.placement.num_stages else (a + span,)
+    if kind is B:  # its W, and the B of the stage before
+        return (a + span, a - m) if stage else (a + span,)
+    return ()
 
 
 def _cuts(index: PassIndex, ids: list[list[int]], timing, line: str) -> list[int]:
