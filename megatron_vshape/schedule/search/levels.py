@@ -93,15 +93,15 @@ def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel
     if name == "zb-1p":
         return best
     tail = _critical_tail(name, best, costs, memory, level)
-    return tail if tail is not None and makespan_of(tail, costs) < best_time - _EPS else best
+    return tail[1] if tail is not None and tail[0] < best_time - _EPS else best
 
 
 def _critical_tail(name: str, schedule: Schedule, costs: Costs, memory: MemoryModel,
-                   level: float) -> Schedule | None:
-    """``schedule`` with its cool-down re-scheduled critical path first (build/critical_tail.py),
-    the fastest of the three lines where the tails may start, or None where that does not
-    apply; the caller keeps it only where it is faster (p = 16: v-min 615.36 -> 612.75 at the
-    H100 costs)."""
+                   level: float) -> tuple[float, Schedule] | None:
+    """(makespan, ``schedule`` with its cool-down re-scheduled critical path first:
+    build/critical_tail.py) for the fastest of the lines the name tries (``_TAIL_LINES``), or
+    None where none applies; the caller keeps it only where it is faster (p = 16: v-min
+    615.36 -> 612.75 at the H100 costs)."""
     try:
         tails = critical_tails(schedule.rank_actions, schedule.placement, costs,
                                level * schedule.placement.chunks, memory, _TAIL_LINES[name])
@@ -116,8 +116,10 @@ def _critical_tail(name: str, schedule: Schedule, costs: Costs, memory: MemoryMo
         return None
     head = schedule.description.rpartition(" (level")[0] or schedule.description
     step = f"cool-down critical path first ({best[2]} line)"
-    step += " again" if "cool-down critical path first" in head else ""  # the default model's
-    return schedule.with_actions(best[1], description=f"{head}, {step} (level {level:g} units)")
+    if "cool-down critical path first" in head:  # the default model's answer had it already
+        step += " again"
+    return best[0], schedule.with_actions(
+        best[1], description=f"{head}, {step} (level {level:g} units)")
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):
