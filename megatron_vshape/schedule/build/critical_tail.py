@@ -14,7 +14,7 @@ critical pass rather than start one that would delay it. Where the tails start i
 (``LINES``): after each rank's own last chunk-0 forward, or at one time on every rank, so that
 the later ranks' last forwards move too; over 108 named builds (p 4-16, m 4p-8p, three cost
 ratios, both memory models) the first is faster than the order it starts from at 20, by up to
-0.6%, and the other two at 17 more, by up to 0.75%.
+0.6%, and the other two than that at 17 (14 of them new), by up to 0.75%.
 
 At the H100 costs (2, 2.78, 0.7, hop 0.05) v-min at p = 16, m = 64 goes from 615.36 to 612.75,
 which CP-SAT proves the fastest cool-down over the last 60 time units after the same warm-up
