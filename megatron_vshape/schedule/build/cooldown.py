@@ -24,11 +24,20 @@ from ..model.actions import Action, PassKind, ScheduleError
 from ..model.indexed import Dataflow, PassIndex, gather
 from ..model.placement import Placement
 
-__all__ = ["cool_down"]
+__all__ = ["cool_down", "last_chunk0_forward"]
 
 F, B, W, BW = PassKind.F, PassKind.B, PassKind.W, PassKind.BW
 _INF = float("inf")
 _DELTA = {F: 1, B: 0, W: -1, BW: -1}
+
+
+def last_chunk0_forward(index: PassIndex, rank: int, order: list[int]) -> int:
+    """Position of the last chunk-0 forward in ``rank``'s order of pass ids (-1: none): after
+    it only up-leg forwards, backwards and W passes are left, the rank's tail (here and in
+    critical_tail.py)."""
+    first = index.first_id(F, index.placement.stage_of(rank, 0))  # + microbatch: its forwards
+    return max((i for i, a in enumerate(order) if first <= a < first + index.microbatches),
+               default=-1)
 
 
 class _RankCursor:
@@ -37,10 +46,7 @@ class _RankCursor:
     def __init__(self, order: list[int], index: PassIndex, rank: int):
         self.order = order
         self.next = 0
-        chunk0 = index.placement.stage_of(rank, 0)
-        first_f = index.first_id(F, chunk0)  # chunk 0's forwards are ids first_f + microbatch
-        self.switch = max(i for i, a in enumerate(order)
-                          if first_f <= a < first_f + index.microbatches)
+        self.switch = last_chunk0_forward(index, rank, order)
         """Index of the rank's last chunk-0 forward: the tail is reordered after it."""
         self.tail: list[int] | None = None
         self.memory = 0

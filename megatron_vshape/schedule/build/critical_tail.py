@@ -33,6 +33,7 @@ from ..model.costs import Costs, MemoryModel
 from ..model.indexed import Dataflow, PassIndex
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
+from .cooldown import last_chunk0_forward
 
 __all__ = ["LINES", "critical_tail", "critical_tails", "bottom_levels"]
 
@@ -242,17 +243,9 @@ def _waiters(shape: _Shape, a: int) -> tuple[int, ...]:
 
 def _cuts(index: PassIndex, ids: list[list[int]], timing, line: str) -> list[int]:
     """Per rank, the position where its tail starts (``critical_tail``'s ``line``)."""
-    own = [_switch(index, r, order) for r, order in enumerate(ids)]
+    own = [last_chunk0_forward(index, r, order) + 1 for r, order in enumerate(ids)]
     if line == "own":
         return own
     last = [timing.starts[r][k - 1] for r, k in enumerate(own) if k]  # last chunk-0 forwards
     at = min(last) if line == "first" else (min(last) + max(last)) / 2
     return [bisect.bisect_right(starts, at) for starts in timing.starts]  # starts ascend
-
-
-def _switch(index: PassIndex, rank: int, order: list[int]) -> int:
-    """Where rank's tail starts: after its last chunk-0 forward (its whole order when it has
-    none)."""
-    first = index.first_id(F, index.placement.stage_of(rank, 0))
-    last = [i for i, a in enumerate(order) if first <= a < first + index.microbatches]
-    return last[-1] + 1 if last else 0
