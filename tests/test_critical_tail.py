@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import (Action, Costs, MemoryModel, PassKind, ScheduleError,
-                                      build_schedule, parse_costs, search, simulate, validate)
+                                      build_schedule, parse_costs, simulate, validate)
 from megatron_vshape.schedule.build.critical_tail import LINES, bottom_levels, critical_tail
 from megatron_vshape.schedule.model.deps import dependencies
 from megatron_vshape.schedule.model.indexed import PassIndex
 from megatron_vshape.schedule.model.simulate import action_durations, pass_durations
+from megatron_vshape.schedule.search.adaptive import _search_one
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
 _H100 = "2,2.78,0.7,0.05"
@@ -123,12 +124,12 @@ def test_bottom_levels_follow_the_longest_chain_to_the_end():
 
 
 def test_critical_tail_shortens_v_mins_cool_down_at_p16_h100_costs():
-    """The search's V-Min at p = 16, m = 64 runs a down-leg backward before the up-leg passes
-    that head the last walk (measured: 615.36 -> 612.75, what CP-SAT finds best for the last
-    60 time units after the same start)."""
+    """The search's V-Min at p = 16, m = 64, before its last step (this), runs a down-leg
+    backward before the up-leg passes that head the last walk (measured: 615.36 -> 612.75,
+    what CP-SAT finds best for the last 60 time units after the same start)."""
     p, m = 16, 64
     costs = parse_costs(_H100, p)
-    found = search(p, m, costs, 6.0).schedule
+    found = _search_one(p, m, costs, 6.0, MemoryModel(), shapes=True).schedule
     before = simulate(found, costs).makespan
     after = simulate(found.with_actions(critical_tail(
         found.rank_actions, found.placement, costs, 12.0)), costs).makespan

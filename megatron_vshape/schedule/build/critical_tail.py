@@ -20,9 +20,9 @@ At the H100 costs (2, 2.78, 0.7, hop 0.05) v-min at p = 16, m = 64 goes from 615
 which CP-SAT proves the fastest cool-down over the last 60 time units after the same warm-up
 and steady state (scripts/bench/cooldown_gap.py), and v-half at p = 16, m = 128 from 805.57 to
 802.09 (801.99 under ``1,-0.75,-0.25``), both from the middle line. Where the tail's W passes
-and forwards compete for memory (v-zb, small p) the rule loses to the order it starts from: it
-is a candidate (search/levels.py), kept only where faster. One line costs 6-13 ms at p = 16,
-m = 64 (v-min, v-zb), where one timing takes 1.5 ms.
+and forwards compete for memory (v-zb, small p) the rule loses to the order it starts from:
+it is the search's last step (search/tails.py), kept only where faster. One line costs 6-13
+ms at p = 16, m = 64 (v-min, v-zb), where one timing takes 1.5 ms.
 """
 from __future__ import annotations
 

@@ -10,9 +10,10 @@ activation memory, not for one particular order. So each name stands for a limit
                                                   (build/greedy.py), each polished by the local
                                                   search; the fastest kept
 
-The V names' fastest order then gets its cool-down re-scheduled critical path first
-(build/critical_tail.py), kept where that is faster (at p = 16 it is: v-min at m = 64 and the
-H100 costs 615.36 -> 612.75).
+The search re-schedules its answer's cool-down critical path first (search/tails.py), kept
+where that is faster (at p = 16 it is: v-min at m = 64 and the H100 costs 615.36 -> 612.75);
+where the paper's order, or under a model that frees at B the default model's answer, is
+faster than the search's, that one gets the same step here.
 
 Levels are in units of one microbatch's activations of a rank's layer share, under the
 default memory model; under another model (B freeing part of a chunk) the same number of units
@@ -25,7 +26,6 @@ from __future__ import annotations
 import functools
 
 from ..build.compose import compose, repeat
-from ..build.critical_tail import LINES, critical_tails
 from ..build.greedy import Policy, greedy_schedule
 from ..build.named import FAMILIES, paper_schedule
 from ..build.slot_reorder import slot_reorder
@@ -36,6 +36,7 @@ from ..model.simulate import makespan_of, peak_memory
 from .adaptive import _search_cached, search
 from .freed import freeing_nothing_at_b
 from .local import improve
+from .tails import faster_tail, step_description, tail_lines
 
 __all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level", "clear_caches"]
 
@@ -47,11 +48,6 @@ _ZB_POLICIES = (Policy(), Policy(ranked_warm_up=True, alternate=True))
 build/greedy.py on every point of the reference comparison grid (p 4-16, m 8-64, two cost
 ratios, three hop times)."""
 _ZB_POLISH_BUDGET = 100_000
-_TAIL_LINES = {"v-min": LINES, "v-half": LINES, "v-zb": ("own",)}
-"""Where each V name's tails may start (build/critical_tail.py). Over 108 named builds (p 4-16,
-m 4p-8p, three cost ratios, both memory models) the ``first`` and ``middle`` lines never beat
-v-zb's order, whose tails are long (it holds p units, so the last chunk-0 forwards come early)
-and cost the most: 36 ms of three lines at p = 16, m = 64 against 12 for its own line."""
 _EPS = 1e-9
 
 
@@ -90,36 +86,14 @@ def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel
         makespan = makespan_of(other, costs)
         if makespan < best_time - _EPS:
             best, best_time = other, makespan
-    if name == "zb-1p":
+    if name == "zb-1p" or best is chosen:  # the search re-scheduled its cool-down already
         return best
-    tail = _critical_tail(name, best, costs, memory, level)
-    return tail[1] if tail is not None and tail[0] < best_time - _EPS else best
-
-
-def _critical_tail(name: str, schedule: Schedule, costs: Costs, memory: MemoryModel,
-                   level: float) -> tuple[float, Schedule] | None:
-    """(makespan, ``schedule`` with its cool-down re-scheduled critical path first:
-    build/critical_tail.py) for the fastest of the lines the name tries (``_TAIL_LINES``), or
-    None where none applies; the caller keeps it only where it is faster (p = 16: v-min
-    615.36 -> 612.75 at the H100 costs)."""
-    try:
-        tails = critical_tails(schedule.rank_actions, schedule.placement, costs,
-                               level * schedule.placement.chunks, memory, _TAIL_LINES[name])
-    except ScheduleError:
-        return None
-    best = None
-    for line, orders in tails.items():  # in LINES' order: ties keep the earlier
-        makespan = makespan_of(schedule.with_actions(orders), costs)
-        if best is None or makespan < best[0] - _EPS:
-            best = (makespan, orders, line)
-    if best is None:
-        return None
-    head = schedule.description.rpartition(" (level")[0] or schedule.description
-    step = f"cool-down critical path first ({best[2]} line)"
-    if "cool-down critical path first" in head:  # the default model's answer had it already
-        step += " again"
-    return best[0], schedule.with_actions(
-        best[1], description=f"{head}, {step} (level {level:g} units)")
+    tail = faster_tail(best, costs, memory, level, tail_lines(p, level), best_time)
+    if tail is None:
+        return best
+    head = best.description.rpartition(" (level")[0] or best.description
+    return best.with_actions(tail[1], description=f"{step_description(head, tail[2])} "
+                                                  f"(level {level:g} units)")
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):

@@ -1,0 +1,53 @@
+"""The cool-down re-scheduled critical path first (build/critical_tail.py) as a last step of the
+search and of the named levels: the fastest of the lines tried, kept only where it beats the
+order it starts from (where the tail's W passes and forwards compete for memory the rule
+loses: v-zb, small p).
+
+Which lines: at 1F1B's memory (p units, v-zb's) only ``own``. The ``first`` and ``middle``
+lines never beat such an order over 108 named builds (p 4-16, m 4p-8p, three cost ratios,
+both memory models): it holds p units, so its last chunk-0 forwards come early and its tails
+are long, and there three lines cost 36 ms at p = 16, m = 64 against 12 for one. Below that,
+all three: each wins somewhere.
+"""
+from __future__ import annotations
+
+from ..build.critical_tail import LINES, critical_tails
+from ..model.actions import ScheduleError
+from ..model.costs import Costs, MemoryModel
+from ..model.schedule import Schedule
+from ..model.simulate import makespan_of
+
+__all__ = ["STEP", "tail_lines", "faster_tail", "step_description"]
+
+STEP = "cool-down critical path first"
+"""How a description names the step (once per application: "again" marks a second one)."""
+_EPS = 1e-9
+
+
+def tail_lines(ranks: int, limit: float) -> tuple[str, ...]:
+    """The lines tried under ``limit`` units (module doc)."""
+    return ("own",) if limit >= ranks - _EPS else LINES
+
+
+def faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: float,
+                lines: tuple[str, ...], makespan: float) -> tuple[float, tuple, str] | None:
+    """(makespan, orders, line) of the fastest of ``schedule``'s critical tails from ``lines``
+    within ``limit`` units, or None where none runs or none beats ``makespan`` (the
+    schedule's own, which the caller has)."""
+    try:
+        tails = critical_tails(schedule.rank_actions, schedule.placement, costs,
+                               limit * schedule.placement.chunks, memory, lines)
+    except ScheduleError:
+        return None
+    best = None
+    for line, orders in tails.items():  # in LINES' order: ties keep the earlier
+        took = makespan_of(schedule.with_actions(orders), costs)
+        if took < (makespan if best is None else best[0]) - _EPS:
+            best = (took, orders, line)
+    return best
+
+
+def step_description(head: str, line: str) -> str:
+    """``head`` with the step appended, "again" where ``head`` already names it."""
+    step = f"{STEP} ({line} line)"
+    return f"{head}, {step} again" if STEP in head else f"{head}, {step}"

@@ -1,0 +1,57 @@
+"""The critical tail as the search's last step (search/tails.py): kept only where faster, the
+lines by memory, left out with ``shapes=False``, named in the description."""
+import pytest
+
+from megatron_vshape.schedule import MemoryModel, parse_costs, search, simulate, validate
+from megatron_vshape.schedule.build.critical_tail import LINES
+from megatron_vshape.schedule.search import adaptive
+from megatron_vshape.schedule.search.adaptive import _search_one
+from megatron_vshape.schedule.search.levels import clear_caches
+from megatron_vshape.schedule.search.tails import STEP, faster_tail, step_description, tail_lines
+
+_H100 = "2,2.78,0.7,0.05"
+_FREED = MemoryModel(1, -0.75, -0.25)
+
+
+@pytest.mark.parametrize("limit, memory", [(6.0, MemoryModel()), (9.0, _FREED)])
+def test_search_ends_with_the_faster_tail_at_p16(limit, memory, monkeypatch):
+    """At p = 16, m = 32 and the H100 costs the step gains 0.7-1.1% (measured: V-Min's 6
+    units 339.33 -> 336.97; 9 units under ``1,-0.75,-0.25`` 251.88 -> 249.18); the answer
+    still validates within the limit."""
+    p, m = 16, 32
+    costs = parse_costs(_H100, p)
+    with monkeypatch.context() as patched:
+        patched.setattr(adaptive, "faster_tail", lambda *args: None)
+        clear_caches()
+        plain = search(p, m, costs, limit, memory)
+    clear_caches()
+    found = search(p, m, costs, limit, memory)
+    assert STEP in found.schedule.description and STEP not in plain.schedule.description
+    assert found.result.makespan < 0.995 * plain.result.makespan
+    assert found.result.makespan == simulate(found.schedule, costs, memory).makespan
+    validate(found.schedule, limit, memory)
+
+
+def test_search_leaves_the_tail_out_without_shapes():
+    p, m = 16, 32
+    found = search(p, m, parse_costs(_H100, p), 6.0, shapes=False)
+    assert STEP not in found.schedule.description
+
+
+def test_a_slower_tail_is_not_kept():
+    """At 1F1B's memory, p = 4, the wave's W passes and forwards compete for memory in the
+    cool-down and the rule loses (measured 50.43 -> 51.67): nothing is returned, and the
+    search keeps its order."""
+    p, m = 4, 8
+    costs = parse_costs(_H100, p)
+    plain = _search_one(p, m, costs, 4.0, MemoryModel(), shapes=True)
+    assert faster_tail(plain.schedule, costs, MemoryModel(), 4.0, ("own",),
+                       plain.result.makespan) is None
+    assert search(p, m, costs, 4.0).schedule.rank_actions == plain.schedule.rank_actions
+
+
+def test_lines_by_memory_and_the_description():
+    assert tail_lines(16, 16.0) == ("own",) and tail_lines(16, 12.0) == LINES
+    assert step_description("auto: x", "own") == f"auto: x, {STEP} (own line)"
+    assert step_description(f"auto: x, {STEP} (own line)", "first").endswith(
+        f"{STEP} (first line) again")
