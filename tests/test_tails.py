@@ -45,8 +45,7 @@ def test_a_slower_tail_is_not_kept():
     p, m = 4, 8
     costs = parse_costs(_H100, p)
     plain = _search_one(p, m, costs, 4.0, MemoryModel(), shapes=True)
-    assert faster_tail(plain.schedule, costs, MemoryModel(), 4.0, ("own",),
-                       plain.result.makespan) is None
+    assert faster_tail(plain.schedule, costs, MemoryModel(), 4.0, plain.result.makespan) is None
     assert search(p, m, costs, 4.0).schedule.rank_actions == plain.schedule.rank_actions
 
 

@@ -88,7 +88,7 @@ from ..model.schedule import Schedule
 from ..model.simulate import SimResult, level_peak, makespan_of, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
 from .freed import FULL_SEARCH_PASSES, freeing_nothing_at_b, refined_under
-from .tails import faster_tail, step_description, tail_lines
+from .tails import faster_tail, step_description
 from .local import Improved, improve, improve_repeated
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
@@ -217,8 +217,8 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
     """The search under ``memory``; under a model whose B frees memory, the default model's
     answer re-timed, refined under ``memory`` (freed.py), and up to ``FULL_SEARCH_PASSES``
     passes also the search under ``memory`` itself: the fastest of them. Either way its
-    cool-down re-scheduled critical path first where faster (``_with_tail``), last. Where the default
-    model's search ends with the moves repeated per microbatch (``_repeats``), the model's own
+    cool-down re-scheduled critical path first where faster (``_with_tail``), last. Where the
+    default model's search ends with the moves repeated per microbatch (``_repeats``), the model's own
     search leaves them out and runs only up to half of ``_REPEATED_PASSES``: with both
     searches repeating them, the search took 1.1-1.9 s at p = 4, m = 16-32 and p = 8, m = 16
     (V-Min's memory), where it had taken under 1 s; so 0.8-1.1 s. Over those 24 points (4 cost
@@ -259,8 +259,7 @@ def _with_tail(found: SearchResult, costs: Costs, limit: float, memory: MemoryMo
     if not shapes:
         return found
     schedule = found.schedule
-    tail = faster_tail(schedule, costs, memory, limit, tail_lines(schedule.placement.ranks, limit),
-                       found.result.makespan)
+    tail = faster_tail(schedule, costs, memory, limit, found.result.makespan)
     if tail is None:
         return found
     head, _, rest = schedule.description.rpartition(" (limit")

@@ -36,7 +36,7 @@ from ..model.simulate import makespan_of, peak_memory
 from .adaptive import _search_cached, search
 from .freed import freeing_nothing_at_b
 from .local import improve
-from .tails import faster_tail, step_description, tail_lines
+from .tails import faster_tail, step_description
 
 __all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level", "clear_caches"]
 
@@ -88,7 +88,7 @@ def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel
             best, best_time = other, makespan
     if name == "zb-1p" or best is chosen:  # the search re-scheduled its cool-down already
         return best
-    tail = faster_tail(best, costs, memory, level, tail_lines(p, level), best_time)
+    tail = faster_tail(best, costs, memory, level, best_time)
     if tail is None:
         return best
     head = best.description.rpartition(" (level")[0] or best.description

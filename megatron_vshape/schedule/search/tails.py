@@ -30,10 +30,11 @@ def tail_lines(ranks: int, limit: float) -> tuple[str, ...]:
 
 
 def faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: float,
-                lines: tuple[str, ...], makespan: float) -> tuple[float, tuple, str] | None:
-    """(makespan, orders, line) of the fastest of ``schedule``'s critical tails from ``lines``
-    within ``limit`` units, or None where none runs or none beats ``makespan`` (the
-    schedule's own, which the caller has)."""
+                makespan: float) -> tuple[float, tuple, str] | None:
+    """(makespan, orders, line) of the fastest of ``schedule``'s critical tails from the lines
+    its limit tries (``tail_lines``), within ``limit`` units, or None where none runs or none
+    beats ``makespan`` (the schedule's own, which the caller has)."""
+    lines = tail_lines(schedule.placement.ranks, limit)
     try:
         tails = critical_tails(schedule.rank_actions, schedule.placement, costs,
                                limit * schedule.placement.chunks, memory, lines)
