@@ -7,8 +7,7 @@ import pytest
 
 from megatron_vshape.schedule import (MemoryModel, build_schedule, parse_costs, simulate,
                                       validate)
-from megatron_vshape.schedule.search.freed import (FULL_SEARCH_PASSES, freeing_nothing_at_b,
-                                                   refined_under)
+from megatron_vshape.schedule.search.freed import freeing_nothing_at_b, refined_under
 from megatron_vshape.schedule.search.levels import clear_caches
 
 adaptive = importlib.import_module("megatron_vshape.schedule.search.adaptive")
@@ -45,11 +44,10 @@ def test_fused_passes_are_not_refined():
 
 
 def test_v_min_at_h100_costs_reaches_the_target_only_through_the_refinement():
-    """p = 8, m = 32 (1,536 passes, within FULL_SEARCH_PASSES: both searches run): the default
-    model's answer and the model's own search stay above 1.10 x 1F1B (239.6 = 1.104 x);
-    deferring the W passes of the faster under the model and polishing it gets below."""
+    """p = 8, m = 32: the default model's answer and a whole search under the model stay above
+    1.10 x 1F1B (239.6 = 1.104 x); deferring the W passes of the default model's answer under
+    the model and polishing it gets below."""
     p, m = 8, 32
-    assert 6 * p * m <= FULL_SEARCH_PASSES
     costs = parse_costs(_H100, p)
     one = simulate(build_schedule("1f1b", p, m), costs, _B_FREES).makespan
     clear_caches()
@@ -62,3 +60,21 @@ def test_v_min_at_h100_costs_reaches_the_target_only_through_the_refinement():
     assert ours.makespan <= 1.10 * one
     assert "under the model" in named.description
     assert ours.peak_memory_max <= level + 1e-9
+
+
+def test_the_model_gets_no_search_of_its_own_where_the_default_model_fits(monkeypatch):
+    """p = 4, m = 16 at V-Half's memory (384 passes; a search of its own used to run there):
+    the only search is the default model's, and the answer is at least as fast as it."""
+    p, m, level = 4, 16, 3.0
+    costs = parse_costs(_H100, p)
+    clear_caches()
+    searched = []
+    search_one = adaptive._search_one
+    monkeypatch.setattr(adaptive, "_search_one",
+                        lambda *args: searched.append(args[4]) or search_one(*args))
+    found = adaptive.search(p, m, costs, level, _B_FREES)
+    default = adaptive.search(p, m, costs, level)
+    assert searched == [MemoryModel()]
+    assert found.result.makespan <= simulate(default.schedule, costs, _B_FREES).makespan + 1e-9
+    validate(found.schedule, memory_limit=level, memory=_B_FREES)
+    clear_caches()

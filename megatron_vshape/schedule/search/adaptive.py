@@ -87,7 +87,7 @@ from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, level_peak, makespan_of, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
-from .freed import FULL_SEARCH_PASSES, freeing_nothing_at_b, refined_under
+from .freed import freeing_nothing_at_b, refined_under
 from .tails import faster_tail, step_description
 from .local import Improved, improve, improve_repeated
 
@@ -215,39 +215,24 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
 def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
                    shapes: bool = True) -> SearchResult:
     """The search under ``memory``; under a model whose B frees memory, the default model's
-    answer re-timed, refined under ``memory`` (freed.py), and up to ``FULL_SEARCH_PASSES``
-    passes also the search under ``memory`` itself: the fastest of them. Either way its
-    cool-down re-scheduled critical path first where faster (``_with_tail``), last. Where the
-    default model's search ends with the moves repeated per microbatch (``_repeats``), the model's own
-    search leaves them out and runs only up to half of ``_REPEATED_PASSES``: with both
-    searches repeating them, the search took 1.1-1.9 s at p = 4, m = 16-32 and p = 8, m = 16
-    (V-Min's memory), where it had taken under 1 s; so 0.8-1.1 s. Over those 24 points (4 cost
-    ratios) v-min's makespan is then the same as with both at 22, 0.54 longer at one (p = 4,
-    m = 16, H100 costs: 124.71, as before either, against 124.17; 125.06 since the local search
-    checks moves for deadlock first, local.py) and 0.09 shorter at one."""
+    answer re-timed and refined under ``memory`` (freed.py), the faster of them, and the
+    search under ``memory`` itself only where nothing fits when B frees nothing. Either way its
+    cool-down re-scheduled critical path first where faster (``_with_tail``), last."""
     started = time.perf_counter()
     base = freeing_nothing_at_b(memory)
     if base is None:
         best = _with_tail(_search_one(p, m, costs, limit, memory, shapes), costs, limit, memory,
                           shapes)
         return dataclasses.replace(best, seconds=time.perf_counter() - started)
-    found = []
     try:
         other = _search_cached(p, m, costs, limit, base, shapes)
-        found.append(dataclasses.replace(other, result=simulate(other.schedule, costs, memory)))
+        found = [dataclasses.replace(other, result=simulate(other.schedule, costs, memory))]
     except InfeasibleMemoryError:
-        pass
-    repeats = _repeats(p, m, limit)
-    if not found or 6 * p * m <= (_REPEATED_PASSES // 2 if repeats else FULL_SEARCH_PASSES):
-        try:  # the default model's answer has the repeated moves: this one need not
-            found.append(_search_one(p, m, costs, limit, memory, shapes, repeat=not found))
-        except InfeasibleMemoryError:
-            if not found:
-                raise
-    fastest = functools.partial(min, key=lambda r: round(r.result.makespan, 9))  # ties: first
+        found = [_search_one(p, m, costs, limit, memory, shapes)]
     if shapes:
-        found.extend(_refined(fastest(found), costs, limit, memory, base))
-    best = _with_tail(fastest(found), costs, limit, memory, shapes)
+        found.extend(_refined(found[0], costs, limit, memory, base))
+    best = min(found, key=lambda r: round(r.result.makespan, 9))  # ties: the first
+    best = _with_tail(best, costs, limit, memory, shapes)
     return dataclasses.replace(best, seconds=time.perf_counter() - started,
                                candidates=sum(r.candidates for r in found))
 
@@ -366,10 +351,10 @@ class _Pool:
 
 
 def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
-                shapes: bool, repeat: bool = True) -> SearchResult:
+                shapes: bool) -> SearchResult:
     """The search under one memory model, in the module doc's order: the constructions, their
     replays, re-lays and polishes, then what improves the winner (the moves repeated per
-    microbatch too, where ``_repeats`` and ``repeat``)."""
+    microbatch too, where ``_repeats``)."""
     if not isinstance(p, int) or p < 2:
         raise ScheduleError(f"ranks must be an integer >= 2, got {p!r}")
     if not isinstance(m, int) or m < 1:
@@ -384,7 +369,7 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
         pool.consider("V-ZB wave, cost-aware", pool.wave)  # below every block it may still fit
     if not pool.candidates:
         raise _infeasible(pool, skipped)
-    _improve_winner(pool, repeat)
+    _improve_winner(pool)
     winner = pool.fastest()
     schedule = Schedule("auto", pool.placement, m, winner.orders, memory_bound=limit,
                         description=f"auto: {winner.description} (limit {limit:g} units)")
@@ -455,7 +440,7 @@ def _infeasible(pool: _Pool, skipped: list) -> InfeasibleMemoryError:
     return InfeasibleMemoryError(pool.limit, peak, description)
 
 
-def _improve_winner(pool: _Pool, repeat: bool) -> None:
+def _improve_winner(pool: _Pool) -> None:
     """The winner so far re-laid (when a replay won) and polished once more; then the deferred
     and the gap-filled candidates, each polished once more when one of them wins; last, at
     V-Min's memory on small schedules, the moves repeated per microbatch."""
@@ -467,7 +452,7 @@ def _improve_winner(pool: _Pool, repeat: bool) -> None:
     _then_polished(pool, functools.partial(_defer_fastest, pool, _FILLED if pool.shapes else 0))
     _then_polished(pool, functools.partial(_fill_fastest, pool,
                                            _GAPS_FILLED if pool.shapes else 0))
-    if repeat and _repeats(pool.placement.ranks, pool.microbatches, pool.limit):
+    if _repeats(pool.placement.ranks, pool.microbatches, pool.limit):
         _repeat_moves(pool, pool.fastest())
 
 

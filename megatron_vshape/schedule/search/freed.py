@@ -13,11 +13,14 @@ both within the candidate's peak under the default model (not the limit: a large
 filled for a sliver of time, as in adaptive.py's deferral). Measured at V-Min's, V-Half's and
 1F1B's memory over p 4-16, m 4p-8p and costs 2,2.78,0.7,0.05 / 1,1.2,0.8,0.1 / 2,2,2,0.1
 (54 points): from the default model's answer these two reach the full search under the model
-at 50 points and beat it at 6 (v-min, H100 costs, p = 8, m = 32: 238.5 against 239.6); the
-full search wins 4 points: three at up to 1,536 passes by 0.2-0.4% (p = 4, m = 16 and 32;
-p = 8, m = 32), so it still runs there (``FULL_SEARCH_PASSES``), and one at p = 8, m = 64 by
-0.05% (v-zb, costs 2,2,2,0.1: 393.9 against 394.1), where it would take half of the time. The
-faster of the answers is the one refined.
+at 50 points and beat it at 6 (v-min, H100 costs, p = 8, m = 32: 238.5 against 239.6).
+
+The search under the model itself runs only where nothing fits when B frees nothing. It used
+to run as well up to 2,048 passes (p = 8, m = 32), for its wins; over the named V schedules at
+p 4-16, m = p to 64 within those passes (81 builds, the three cost ratios above) it was faster
+at 5, by 0.04-0.95% (v-zb at costs 2,2,2,0.1, p = 8, m = 16: 105.1 against 106.1), slower at
+2 (by 0.09%), and it took 40% of those builds' time: at the H100 costs it put 16 of the 33
+named V schedules with m <= 64 over the issue's 0.5 s, where without it 5 are.
 """
 from __future__ import annotations
 
@@ -27,14 +30,7 @@ from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
 from .local import improve
 
-__all__ = ["FULL_SEARCH_PASSES", "freeing_nothing_at_b", "refined_under"]
-
-FULL_SEARCH_PASSES = 2_048
-"""Up to this many passes (p = 8, m = 32 and p = 4, m = 64: 1,536) the model also gets a
-search of its own (three of its four wins above are there); beyond it that search doubles the
-time of a named schedule (p = 16, m = 64: 1.0 s instead of 0.5 s) for one win of 0.05%. Where
-the default model's search ends with moves repeated per microbatch, less (adaptive.py's
-``_search_cached``)."""
+__all__ = ["freeing_nothing_at_b", "refined_under"]
 
 
 def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
