@@ -4,7 +4,7 @@ import pytest
 
 from megatron_vshape.schedule import MemoryModel, parse_costs, search, simulate, validate
 from megatron_vshape.schedule.build.critical_tail import LINES
-from megatron_vshape.schedule.search import adaptive
+from megatron_vshape.schedule.search import tails
 from megatron_vshape.schedule.search.adaptive import _search_one
 from megatron_vshape.schedule.search.levels import clear_caches
 from megatron_vshape.schedule.search.tails import STEP, faster_tail, step_description, tail_lines
@@ -21,7 +21,7 @@ def test_search_ends_with_the_faster_tail_at_p16(limit, memory, monkeypatch):
     p, m = 16, 32
     costs = parse_costs(_H100, p)
     with monkeypatch.context() as patched:
-        patched.setattr(adaptive, "faster_tail", lambda *args: None)
+        patched.setattr(tails, "faster_tail", lambda *args: None)
         clear_caches()
         plain = search(p, m, costs, limit, memory)
     clear_caches()

@@ -88,7 +88,7 @@ from ..model.schedule import Schedule
 from ..model.simulate import SimResult, level_peak, makespan_of, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
 from .freed import freeing_nothing_at_b, refined_under
-from .tails import faster_tail, step_description
+from .tails import with_faster_tail
 from .local import Improved, improve, improve_repeated
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
@@ -243,13 +243,10 @@ def _with_tail(found: SearchResult, costs: Costs, limit: float, memory: MemoryMo
     (tails.py); left out with ``shapes=False``, like the other re-laid cool-downs."""
     if not shapes:
         return found
-    schedule = found.schedule
-    tail = faster_tail(schedule, costs, memory, limit, found.result.makespan)
-    if tail is None:
+    tailed = with_faster_tail(found.schedule, costs, memory, limit, found.result.makespan,
+                              f" (limit {limit:g} units)")
+    if tailed is None:
         return found
-    head, _, rest = schedule.description.rpartition(" (limit")
-    tailed = schedule.with_actions(tail[1], description=f"{step_description(head, tail[2])} "
-                                                        f"(limit{rest}")
     return dataclasses.replace(found, schedule=tailed, result=simulate(tailed, costs, memory))
 
 

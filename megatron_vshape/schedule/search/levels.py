@@ -36,7 +36,7 @@ from ..model.simulate import makespan_of, peak_memory
 from .adaptive import _search_cached, search
 from .freed import freeing_nothing_at_b
 from .local import improve
-from .tails import faster_tail, step_description
+from .tails import with_faster_tail
 
 __all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level", "clear_caches"]
 
@@ -88,12 +88,8 @@ def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel
             best, best_time = other, makespan
     if name == "zb-1p" or best is chosen:  # the search re-scheduled its cool-down already
         return best
-    tail = faster_tail(best, costs, memory, level, best_time)
-    if tail is None:
-        return best
-    head = best.description.rpartition(" (level")[0] or best.description
-    return best.with_actions(tail[1], description=f"{step_description(head, tail[2])} "
-                                                  f"(level {level:g} units)")
+    tailed = with_faster_tail(best, costs, memory, level, best_time, f" (level {level:g} units)")
+    return best if tailed is None else tailed
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):

@@ -17,7 +17,7 @@ from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of
 
-__all__ = ["STEP", "tail_lines", "faster_tail", "step_description"]
+__all__ = ["STEP", "tail_lines", "faster_tail", "with_faster_tail", "step_description"]
 
 STEP = "cool-down critical path first"
 """How a description names the step (once per application: "again" marks a second one)."""
@@ -46,6 +46,18 @@ def faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: fl
         if took < (makespan if best is None else best[0]) - _EPS:
             best = (took, orders, line)
     return best
+
+
+def with_faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: float,
+                     makespan: float, suffix: str) -> Schedule | None:
+    """``schedule`` with its fastest critical tail (``faster_tail``), or None where none beats
+    ``makespan``; its description names the step before ``suffix`` (the caller's "(limit ...)"
+    or "(level ...)", taken off the old description where it ends with it)."""
+    tail = faster_tail(schedule, costs, memory, limit, makespan)
+    if tail is None:
+        return None
+    head = schedule.description.removesuffix(suffix)
+    return schedule.with_actions(tail[1], description=step_description(head, tail[2]) + suffix)
 
 
 def step_description(head: str, line: str) -> str:
