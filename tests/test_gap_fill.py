@@ -10,6 +10,7 @@ from megatron_vshape.schedule import Costs, MemoryModel, PassKind, build_schedul
 from megatron_vshape.schedule.build.gap_fill import fill_gaps
 from megatron_vshape.schedule.build.shapes import reshape_warm_up, unit_slots
 from megatron_vshape.schedule.model.simulate import peak_memory
+from megatron_vshape.schedule.search import adaptive
 from megatron_vshape.schedule.search.adaptive import search
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
@@ -71,4 +72,26 @@ def test_auto_reaches_the_reference_at_v_min_limit(p, m, comm, limit, reference)
     below the reference's adaptive search, within the limit."""
     found = search(p, m, Costs.build(p, 2, 2, 2, comm=comm), float(limit))
     assert found.result.makespan <= reference + 1e-9
+    assert found.result.peak_memory_max <= limit
+
+
+@pytest.mark.parametrize("p, m, costs, fills", [
+    (16, 32, (2, 2, 2, 0.1), True), (16, 32, (1, 1.2, 0.8, 0.1), True),
+    (16, 32, (2, 2.78, 0.7, 0.05), False), (4, 8, (2, 2.78, 0.7, 0.05), True)])
+def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs, fills,
+                                                                     monkeypatch):
+    """The fill counts every pass as one slot, so over 2,000 passes the search runs it only
+    where F, B and W are within 2x of each other (adaptive._SLOT_SPREAD): not at the H100
+    costs, except on a small schedule (p = 4, m = 8: 192 passes)."""
+    calls = []
+
+    def recorded(placement, orders, memory=MemoryModel()):
+        calls.append(len(orders))
+        return fill_gaps(placement, orders, memory)
+
+    monkeypatch.setattr(adaptive, "fill_gaps", recorded)
+    adaptive._search_cached.cache_clear()  # so that this search runs
+    limit = float((p + 2) // 2)
+    found = search(p, m, Costs.build(p, *costs[:3], comm=costs[3]), limit)
+    assert bool(calls) == fills
     assert found.result.peak_memory_max <= limit

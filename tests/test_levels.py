@@ -142,6 +142,30 @@ def test_the_deadlock_check_agrees_with_timing_every_single_move(name, p, m, mon
     assert sum(caught) > 10 and sum(not s for *_, s in moves) > 10  # both kinds were checked
 
 
+@pytest.mark.parametrize("name, p, m", [("v-min", 4, 16), ("v-min", 8, 16), ("v-half", 8, 8)])
+def test_a_repeated_move_whose_single_move_deadlocks_is_not_timed_and_would_deadlock(
+        name, p, m):
+    """``_repeated`` drops a move whose single move surely deadlocks (``_deadlocks``); made in
+    every period anyway, each of those orders gets stuck when timed (local.py's claim)."""
+    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    start = build_schedule(name, p, m, variant="paper")
+    search = _Search(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
+    dead = [(r, j, i) for r, order in enumerate(search.orders) for j in range(1, len(order))
+            for i in range(max(0, j - 6), j)
+            if not search._blocked(order, i, j) and search._deadlocks(r, i, j)]
+    assert all(search._repeated(r, j, i, 1) is None for r, j, i in dead)
+    search._deadlocks = lambda r, i, j: False  # the repeated orders as made without the check
+    stuck = 0
+    for r, j, i in dead:
+        moved = search._repeated(r, j, i, 1)
+        if moved is not None:
+            trial = list(search.orders)
+            trial[r] = moved[0]
+            assert search.flow.time(trial).stuck is not None, (r, j, i)
+            stuck += 1
+    assert stuck > 10
+
+
 def test_moves_repeated_per_microbatch_cross_the_single_moves_plateau():
     """From the paper's V-Min at p = 4, m = 16 and the H100 costs, the same budget of passes
     takes the single moves' local search to 134.9 and the one with repeated moves to 127.0

@@ -154,3 +154,34 @@ def test_timed_replay_is_valid_keeps_the_cap_and_times_like_the_simulator(p, m_f
     assert max(peak_memory(schedule)) <= base.memory_bound
     # the search ranks replays by their own makespan, unsimulated: it must be the simulator's
     assert replay.makespan == pytest.approx(simulate(schedule, c).makespan, rel=1e-12, abs=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(2, 10), m_factor=st.floats(0.5, 4), slack=st.sampled_from([1, 2]),
+       costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)),
+       freeing=st.booleans())
+def test_a_replay_is_abandoned_exactly_when_its_peak_would_pass_the_mark(p, m_factor, slack,
+                                                                         costs, freeing):
+    """The search replays with slack over its limit and keeps only replays within it:
+    ``abandon_above`` raises exactly when the full replay's peak passes the mark, and
+    otherwise changes nothing."""
+    from megatron_vshape.schedule import Costs, MemoryModel, build_schedule
+    from megatron_vshape.schedule.build.timed import replay_in_time
+
+    m = max(1, round(m_factor * p))
+    memory = MemoryModel(1, -0.75, -0.25) if freeing else MemoryModel()
+    base = build_schedule("v-min", p, m)
+    c = Costs.build(p, *costs[:3], comm=costs[3])
+    mark = 2 * base.memory_bound
+    try:
+        full = replay_in_time(base.rank_actions, base.placement, c, mark + slack, memory, 4)
+    except ScheduleError:
+        return  # stuck either way: nothing to compare
+    over = max(peak_memory(base.with_actions(full.orders), memory)) * 2 > mark + 1e-6
+    try:
+        cut = replay_in_time(base.rank_actions, base.placement, c, mark + slack, memory, 4,
+                             abandon_above=mark)
+    except ScheduleError as error:
+        assert over and "over" in str(error)
+        return
+    assert not over and cut == full

@@ -1,4 +1,5 @@
 """Issue 3: the adaptive V scheduler (``auto``), its frontier and its CLI."""
+import gc
 import json
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megatron_vshape.cli import main
 from megatron_vshape.schedule import Costs, ScheduleError, build_schedule, simulate, validate
+from megatron_vshape.schedule.search import adaptive
 from megatron_vshape.schedule.search.adaptive import (InfeasibleMemoryError, _search_cached, frontier,
                                              memory_limit_units, search)
 
@@ -228,3 +230,27 @@ def test_half_memory_uniform_costs_bubble(p):
     c = Costs.build(p)
     one = simulate(build_schedule("1f1b", p, m), c).bubble_rate
     assert search(p, m, c, p / 2).result.bubble_rate <= 0.6 * one
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_search_pauses_the_cyclic_collector_and_restores_it(enabled, monkeypatch):
+    """search.gc_pause: off while the search runs (a training process's heap made it 31%
+    slower), back as the caller had it afterwards, also when the search raises."""
+    seen = []
+    inner = adaptive._search_one
+
+    def recorded(*args):
+        seen.append(gc.isenabled())
+        return inner(*args)
+
+    monkeypatch.setattr(adaptive, "_search_one", recorded)
+    _search_cached.cache_clear()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        search(4, 6, Costs.build(4, 1, 1.1, 0.9), 3.0)
+        assert seen == [False] and gc.isenabled() == enabled
+        with pytest.raises(InfeasibleMemoryError):
+            search(4, 6, Costs.build(4, 1, 1.1, 0.9), 0.5)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()

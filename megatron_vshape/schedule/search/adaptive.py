@@ -39,7 +39,8 @@ Candidates, all V-shaped (two chunks per rank):
                      without raising the peak (gap_fill.py, the paper code's last step), the
                      best of those W-deferred, and a winner among them polished once more
                      (costs 2,2,2 at V-Min's limit, p = 16, hop 0.1, m = 16: 169.4 -> 169.0,
-                     the reference's); left out with ``shapes=False`` too
+                     the reference's); left out with ``shapes=False`` and, over 2,000 passes,
+                     where F, B and W differ by over 2x (``_SLOT_SPREAD``)
     repeated moves   at V-Min's memory or less and at most 768 passes, the winner improved by
                      local.py's moves made in every microbatch at once (``_REPEATED_PASSES``)
     critical tail    last, the winner's cool-down re-scheduled critical path first
@@ -88,6 +89,7 @@ from ..model.schedule import Schedule
 from ..model.simulate import SimResult, level_peak, makespan_of, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
 from .freed import freeing_nothing_at_b, refined_under
+from .gc_pause import collector_paused
 from .tails import with_faster_tail
 from .local import Improved, improve, improve_repeated
 
@@ -122,6 +124,16 @@ where a wave no longer got polished). Costs 2,2,2 at V-Min's limit, where the re
 search was ahead: p = 16, hop 0.1, m = 16/32/64: 169.4/274.2/484.2 -> 169.0/274.0/483.8 (the
 reference's), hop 0.5, m = 64: 649.0 -> 647.0 (same); p = 8, m = 64, hop 0.1: 434.2 -> 432.8
 (the reference: 434.0). 2 bases reach all five; 0.05-0.2 s at p = 16, m = 64."""
+_SLOT_SPREAD = 2.0
+_GAPS_CHEAP_PASSES = 2_000
+"""Gaps are filled only where, on every rank, the longest of F, B and W takes at most
+``_SLOT_SPREAD`` times the shortest, or where that is cheap (at most this many passes): the
+fill counts every pass as one slot (gap_fill.py), so where a W takes a quarter of a B its gaps
+are not the real ones. Over the named levels' grid (p 4-16, m p-8p, 9 cost sets, both memory
+models: 396 builds) it won only at costs 2,2,2 and 1,1.2,0.8 (spread 1-1.5), never at the
+H100 costs (2, 2.78, 0.7: spread 4), where it took 0.03-0.04 s at p = 16, m = 64 (v-half,
+v-zb); of 198 searches at spreads 3-5 (p 4-16, m p-4p, 4 limits) it won 2, at p = 4, m = 8
+(costs 2,3,0.6,0.1 at 2 units: 72.9 against 73.1), where it takes 2 ms."""
 _RELAID = 4
 _RELAID_LARGE = 1
 """The fastest candidates (distinct orders) whose warm-up and cool-down are re-laid, besides
@@ -197,6 +209,7 @@ class _Candidate:
     """Whether the replays may start from it (module doc: not the finished constructions)."""
 
 
+@collector_paused
 def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: float | None = None,
            memory: MemoryModel = MemoryModel(), shapes: bool = True) -> SearchResult:
     """The fastest V schedule whose peak memory is at most ``limit`` units (default: 1F1B's).
@@ -403,15 +416,23 @@ def _constructions(pool: _Pool) -> tuple[bool, list]:
 
 
 def _replays(pool: _Pool, large: bool) -> None:
-    """The replay bases (``_replay_bases``) replayed in real time under the limit (timed.py)."""
+    """The replay bases (``_replay_bases``) replayed in real time under the limit (timed.py).
+
+    A base whose orders an earlier base has too (the V-Min block and the family block of
+    offsets 1 at p = 16) is not replayed again: its replay would be a copy of that one's,
+    later in the pool, so never the first of its orders anywhere (ties go to the earlier)."""
     counts = (_REPLAYS_LARGE, _EXTRA_PEAKS_LARGE) if large else (_REPLAYS, _EXTRA_PEAKS)
+    replayed = set()
     for base, slacks in _replay_bases(pool.candidates, *counts):
         for window in _REPLAY_WINDOWS:
             for slack in slacks:  # one chunk of slack: the replay's peak often lands lower
+                if (base.orders, window, slack) in replayed:
+                    continue
+                replayed.add((base.orders, window, slack))
                 pool.consider(f"{base.description}, replayed in time (window {window})",
                               functools.partial(replay_in_time, base.orders, pool.placement,
                                                 pool.costs, pool.cap + slack, pool.memory,
-                                                window))
+                                                window, abandon_above=pool.cap))
 
 
 def _relays_and_polishes(pool: _Pool, large: bool) -> None:
@@ -448,7 +469,7 @@ def _improve_winner(pool: _Pool) -> None:
     _polish_further(pool, winner)
     _then_polished(pool, functools.partial(_defer_fastest, pool, _FILLED if pool.shapes else 0))
     _then_polished(pool, functools.partial(_fill_fastest, pool,
-                                           _GAPS_FILLED if pool.shapes else 0))
+                                           _GAPS_FILLED if _fills_gaps(pool) else 0))
     if _repeats(pool.placement.ranks, pool.microbatches, pool.limit):
         _repeat_moves(pool, pool.fastest())
 
@@ -488,6 +509,16 @@ def _fill_fastest(pool: _Pool, count: int) -> None:
                       replayable=False)
     for base in _polish_bases(pool.candidates[before:], 1):
         _deferred(pool, base)
+
+
+def _fills_gaps(pool: _Pool) -> bool:
+    """Whether the search fills unit-slot bubbles (``_GAPS_FILLED``): not with ``shapes=False``,
+    and only where F, B and W take about as long as each other or the schedule is small
+    (``_GAPS_CHEAP_PASSES``)."""
+    costs = pool.costs
+    return pool.shapes and (6 * pool.placement.ranks * pool.microbatches <= _GAPS_CHEAP_PASSES
+                            or all(max(f, b, w) <= _SLOT_SPREAD * min(f, b, w) for f, b, w
+                                   in zip(costs.forward, costs.backward, costs.weight)))
 
 
 def _then_polished(pool: _Pool, step: Callable[[], None]) -> None:
@@ -691,6 +722,7 @@ def _lifespan_bound(block) -> float:
     return worst / 2
 
 
+@collector_paused
 def frontier(ranks: int, microbatches: int, costs: Costs | None = None,
              memory: MemoryModel = MemoryModel(), points: int = 12) -> list[SearchResult]:
     """Pareto frontier of (peak memory, makespan) from ``search`` at limits between V-Min's

@@ -35,6 +35,7 @@ from ..model.schedule import Schedule
 from ..model.simulate import makespan_of, peak_memory
 from .adaptive import _search_cached, search
 from .freed import freeing_nothing_at_b
+from .gc_pause import collector_paused
 from .local import improve
 from .tails import with_faster_tail
 
@@ -58,6 +59,7 @@ def memory_level(name: str, ranks: int) -> float:
     return float(FAMILIES[name].memory_bound(ranks))
 
 
+@collector_paused
 def fastest_at_level(name: str, ranks: int, microbatches: int, costs: Costs | None = None,
                      memory: MemoryModel = MemoryModel()) -> Schedule:
     """The fastest order found for ``name`` at its memory level (module doc)."""
