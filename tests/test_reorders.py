@@ -185,3 +185,24 @@ def test_a_replay_is_abandoned_exactly_when_its_peak_would_pass_the_mark(p, m_fa
         assert over and "over" in str(error)
         return
     assert not over and cut == full
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(2, 12), m=st.integers(1, 24), pick=st.integers(0, 10**6),
+       backward=st.sampled_from([0.0, -0.5, -0.75]))
+def test_repeated_peak_is_the_highest_level_of_the_repeated_orders(p, m, pick, backward):
+    """``repeated_peak`` (the search's probe of a block's memory) gives, without building
+    them, the highest level of ``repeat``'s orders: V family blocks and the fixed blocks,
+    split or fused backward, under memory models that free at B or not."""
+    from megatron_vshape.schedule import MemoryModel
+    from megatron_vshape.schedule.build.blocks import ONE_F_ONE_B, V_HALF, V_ZB
+    from megatron_vshape.schedule.build.compose import repeated_peak
+    from megatron_vshape.schedule.build.family import v_block, v_family
+    from megatron_vshape.schedule.model.simulate import level_peak
+
+    blocks = [b for b in (v_block(p, o) for o in v_family(p)) if b is not None]
+    blocks += [f.build(p) for f in (V_MIN, V_HALF, V_ZB, ONE_F_ONE_B, ZB_1P)]
+    block = blocks[pick % len(blocks)]
+    memory = MemoryModel(1.0, backward, -1.0 - backward)
+    levels = max(level_peak((a.kind for a in order), memory) for order in repeat(block, m))
+    assert repeated_peak(block, m, memory) == pytest.approx(levels, abs=1e-9)

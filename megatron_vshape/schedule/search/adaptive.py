@@ -73,7 +73,7 @@ from typing import Callable
 
 from ..model.actions import PassKind, ScheduleError
 from ..build.blocks import V_HALF, V_MIN, V_ZB
-from ..build.compose import compose, repeated_kinds
+from ..build.compose import compose, repeated_peak
 from ..build.named import paper_schedule
 from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
@@ -86,7 +86,7 @@ from ..build.wave import wave_schedule
 from ..build.wfill import defer_weight_passes
 from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
-from ..model.simulate import SimResult, level_peak, makespan_of, peak_memory, simulate
+from ..model.simulate import SimResult, makespan_of, peak_memory, simulate
 from ..build.timed import Replay, replay_in_time
 from .freed import freeing_nothing_at_b, refined_under
 from .gc_pause import collector_paused
@@ -704,7 +704,7 @@ def _steady(block, m: int) -> bool:
 def _probe_peak(block, m: int, memory: MemoryModel) -> float:
     """Peak memory of a short repeat: steady state is reached after a lifespan of microbatches."""
     short = min(m, _steady_microbatches(block))
-    return max(level_peak(kinds, memory) for kinds in repeated_kinds(block, short)) / Layout.V.chunks
+    return repeated_peak(block, short, memory) / Layout.V.chunks
 
 
 def _lifespan_bound(block) -> float:
