@@ -75,14 +75,16 @@ def test_auto_reaches_the_reference_at_v_min_limit(p, m, comm, limit, reference)
     assert found.result.peak_memory_max <= limit
 
 
-@pytest.mark.parametrize("p, m, costs, fills", [
-    (16, 32, (2, 2, 2, 0.1), True), (16, 32, (1, 1.2, 0.8, 0.1), True),
-    (16, 32, (2, 2.78, 0.7, 0.05), False), (4, 8, (2, 2.78, 0.7, 0.05), True)])
-def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs, fills,
+@pytest.mark.parametrize("p, m, costs, limit, fills", [
+    (16, 32, (2, 2, 2, 0.1), 9, True), (16, 32, (2, 2, 2, 0.1), 16, False),
+    (16, 32, (1, 1.2, 0.8, 0.1), 9, False), (16, 32, (2, 2.78, 0.7, 0.05), 9, False),
+    (4, 8, (2, 2.78, 0.7, 0.05), 3, True), (4, 8, (2, 2, 2, 0.1), 4, True)])
+def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs, limit, fills,
                                                                      monkeypatch):
     """The fill counts every pass as one slot, so over 2,000 passes the search runs it only
-    where F, B and W are within 2x of each other (adaptive._SLOT_SPREAD): not at the H100
-    costs, except on a small schedule (p = 4, m = 8: 192 passes)."""
+    below 1F1B's memory and where F, B and W are within 1.25x of each other
+    (adaptive._SLOT_SPREAD): not at costs 1,1.2,0.8 or the H100 costs, nor at p units; on a
+    small schedule (p = 4, m = 8: 192 passes) always."""
     calls = []
 
     def recorded(placement, orders, memory=MemoryModel()):
@@ -91,7 +93,6 @@ def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs
 
     monkeypatch.setattr(adaptive, "fill_gaps", recorded)
     adaptive._search_cached.cache_clear()  # so that this search runs
-    limit = float((p + 2) // 2)
-    found = search(p, m, Costs.build(p, *costs[:3], comm=costs[3]), limit)
+    found = search(p, m, Costs.build(p, *costs[:3], comm=costs[3]), float(limit))
     assert bool(calls) == fills
     assert found.result.peak_memory_max <= limit
