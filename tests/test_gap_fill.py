@@ -10,7 +10,7 @@ from megatron_vshape.schedule import Costs, MemoryModel, PassKind, build_schedul
 from megatron_vshape.schedule.build.gap_fill import fill_gaps
 from megatron_vshape.schedule.build.shapes import reshape_warm_up, unit_slots
 from megatron_vshape.schedule.model.simulate import peak_memory
-from megatron_vshape.schedule.search import adaptive
+from megatron_vshape.schedule.search import adaptive, improvements
 from megatron_vshape.schedule.search.adaptive import search
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
@@ -83,7 +83,7 @@ def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs
                                                                      monkeypatch):
     """The fill counts every pass as one slot, so over 2,000 passes the search runs it only
     below 1F1B's memory and where F, B and W are within 1.25x of each other
-    (adaptive._SLOT_SPREAD): not at costs 1,1.2,0.8 or the H100 costs, nor at p units; on a
+    (improvements._SLOT_SPREAD): not at costs 1,1.2,0.8 or the H100 costs, nor at p units; on a
     small schedule (p = 4, m = 8: 192 passes) always."""
     calls = []
 
@@ -91,7 +91,7 @@ def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs
         calls.append(len(orders))
         return fill_gaps(placement, orders, memory)
 
-    monkeypatch.setattr(adaptive, "fill_gaps", recorded)
+    monkeypatch.setattr(improvements, "fill_gaps", recorded)
     adaptive._search_cached.cache_clear()  # so that this search runs
     found = search(p, m, Costs.build(p, *costs[:3], comm=costs[3]), float(limit))
     assert bool(calls) == fills

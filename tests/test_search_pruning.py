@@ -8,8 +8,9 @@ from megatron_vshape.schedule.model.costs import MemoryModel
 from megatron_vshape.schedule.model.deps import dependencies, dependency_table
 from megatron_vshape.schedule.build.family import VOffsets, _distinct, _slots, v_block, v_family
 from megatron_vshape.schedule.build.blocks import V_HALF, V_MIN, V_ZB
-from megatron_vshape.schedule.search.adaptive import (InfeasibleMemoryError, _lifespan_bound, _named_over,
-                                             _probe_peak, _search_cached, _steady)
+from megatron_vshape.schedule.search.adaptive import InfeasibleMemoryError, _search_cached
+from megatron_vshape.schedule.search.constructions import (_lifespan_bound, _named_over, _probe_peak,
+                                                           _steady)
 from megatron_vshape.schedule.model.simulate import peak_memory
 from megatron_vshape.schedule.build.timed import replay_in_time
 

@@ -1,4 +1,5 @@
-"""Choosing the best order: the adaptive search under a memory limit (adaptive.py), the local
+"""Choosing the best order: the adaptive search under a memory limit (adaptive.py, running
+constructions.py's candidates and improvements.py's steps over a pool.py pool), the local
 search over per-rank orders (local.py), the named schedules as memory levels (levels.py), and
 lower bounds on any schedule's makespan (bounds.py)."""
 from .adaptive import InfeasibleMemoryError, SearchResult, frontier, memory_limit_units, search

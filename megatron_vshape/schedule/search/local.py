@@ -369,7 +369,7 @@ def improve_repeated(placement: Placement, microbatches: int, orders, costs: Cos
     time."""
     search = _started(placement, microbatches, orders, costs, cap, memory, _WINDOW)
     best = Improved(search.index.decode(search.orders), search.score[0], 0)
-    polish = min(polish, budget)  # a small schedule's budget is small (adaptive._capped)
+    polish = min(polish, budget)  # a small schedule's budget is small (improvements.capped)
     spent = moves = rounds = 0
     while spent < budget:
         start = best.makespan

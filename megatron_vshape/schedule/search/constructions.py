@@ -1,0 +1,187 @@
+"""The adaptive search's constructions (adaptive.py's module doc, first rows): the fixed
+blocks, also slot-reordered, the V-ZB wave, the V family blocks that fit and the
+continuous-offset blocks, each a candidate of the pool (pool.py); and the error when none fits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ..build.blocks import V_HALF, V_MIN, V_ZB
+from ..build.compose import compose, repeated_peak
+from ..build.family import v_block, v_family
+from ..build.named import paper_schedule
+from ..build.periodic import periodic_block, periodic_orders
+from ..build.slot_reorder import slot_reorder
+from ..build.wave import wave_schedule
+from ..model.actions import PassKind, ScheduleError
+from ..model.costs import Costs, MemoryModel
+from ..model.placement import Layout, Placement
+from ..model.schedule import Schedule
+from ..model.simulate import peak_memory
+from .pool import Pool
+
+__all__ = ["InfeasibleMemoryError", "constructions", "infeasible", "wave_orders"]
+
+_FAMILY_BUDGET = 6
+_PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
+_WAVE_CHEAP_PASSES = 2_000
+"""The wave is tried at 1F1B's memory, where it wins (V-ZB), and below it only when it is cheap
+(at most this many passes) or nothing else fits: over p 4-16, m 8 and 32, three cost ratios,
+two hop times and both memory models it won 42 of 72 points at p units, 2 of 72 at V-Min's and
+none at V-Half's or 3p/4, and it costs about 0.3 s at p = 16, m = 64."""
+_EPS = 1e-9
+F, B = PassKind.F, PassKind.B
+_FIXED = (V_MIN, V_HALF, V_ZB)
+
+
+class InfeasibleMemoryError(ScheduleError):
+    """No V schedule fits the limit; names the smallest peak found and what reaches it."""
+
+    def __init__(self, limit: float, smallest: float, schedule: str):
+        super().__init__(
+            f"memory limit {limit:g} units is below every V schedule for this setting: the "
+            f"smallest achievable peak is {smallest:g} units, reached by {schedule}"
+        )
+        self.limit, self.smallest, self.schedule = limit, smallest, schedule
+
+
+def constructions(pool: Pool) -> tuple[bool, list]:
+    """The fixed blocks (also slot-reordered), the wave, the family blocks and the
+    continuous-offset blocks as candidates. Returns whether the wave was tried and the family
+    blocks skipped unprobed (``_family_within``)."""
+    p, m, limit, memory = pool.placement.ranks, pool.microbatches, pool.limit, pool.memory
+    for family in _FIXED:
+        if _named_over(family, p, m, limit, memory):  # its peak is known: skip the build
+            pool.smallest.append((family.memory_bound(p), f"{family.name} block"))
+            continue
+        if _outgrown(family, p, limit):
+            continue
+        pool.consider(f"{family.name} block", functools.partial(_named, family.name, p, m))
+        if family is not V_ZB:
+            pool.consider(f"{family.name} block, slot-reordered",
+                          functools.partial(slot_reorder, family.build(p), m), replayable=False)
+    wave_tried = limit >= p - _EPS or 6 * p * m <= _WAVE_CHEAP_PASSES
+    if wave_tried:
+        pool.consider("V-ZB wave, cost-aware", functools.partial(wave_orders, pool),
+                      replayable=False)
+    skipped: list = []
+    for offsets, block in _family_within(p, m, limit, memory, pool.smallest, skipped):
+        pool.consider(f"V family block, {offsets.describe()}",
+                      functools.partial(compose, dataclasses.replace(block, memory_bound=limit), m))
+    for scale in () if _outgrown(V_MIN, p, limit) else _PERIOD_SCALES:
+        pool.consider(f"continuous-offset block, period x{scale:g}",
+                      functools.partial(_periodic, p, m, pool.costs, scale))
+    return wave_tried, skipped
+
+
+def wave_orders(pool: Pool) -> tuple:
+    """The V-ZB wave's orders under the pool's limit (wave.py)."""
+    return _wave(pool.placement.ranks, pool.microbatches, pool.costs, pool.limit, pool.memory)
+
+
+def infeasible(pool: Pool, skipped: list) -> InfeasibleMemoryError:
+    """The error when nothing fits: the smallest peak of anything built, of the family blocks
+    skipped unprobed and of the wave at the least it can keep."""
+    p, m = pool.placement.ranks, pool.microbatches
+    pool.smallest.extend((_probe_peak(block, m, pool.memory),
+                          f"V family block, {offsets.describe()}") for offsets, block in skipped)
+    pool.smallest.extend(_least_wave(p, m, pool.costs, pool.memory))
+    peak, description = min(pool.smallest)
+    return InfeasibleMemoryError(pool.limit, peak, description)
+
+
+def _named(name: str, p: int, m: int) -> tuple:
+    return paper_schedule(name, p, m).rank_actions
+
+
+def _outgrown(family, p: int, limit: float) -> bool:
+    """Whether the next larger fixed block surely fits the limit (its bound is at most the
+    limit; a peak never exceeds the bound): then ``family``'s block, slot-reordered or not,
+    and below V-Half's memory level the continuous-offset blocks, lose to what the room
+    allows. Measured over the reference comparison's grid and the H100 and unbalanced costs
+    (p 4-16, m 8-128, 90 points at each of p units, V-Half's and V-Min's bound and 3p/4):
+    none of their candidates, nor what was built from them, was the fastest once that
+    larger block fitted."""
+    larger = _FIXED[_FIXED.index(family) + 1:]
+    return bool(larger) and larger[0].memory_bound(p) <= limit + _EPS
+
+
+def _named_over(family, p: int, m: int, limit: float, memory: MemoryModel) -> bool:
+    """Whether a fixed block surely exceeds the limit. For m >= p (default memory model) its
+    peak is exactly its bound, (p+4)//3, (p+2)//2 or p units (tests/test_search_pruning.py
+    checks this for p up to 32), so building it only to reject it can be skipped."""
+    return memory == MemoryModel() and m >= p and family.memory_bound(p) > limit + _EPS
+
+
+def _wave(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel) -> tuple:
+    return wave_schedule(p, m, costs, limit * Layout.V.chunks, memory).orders
+
+
+def _least_wave(p: int, m: int, costs: Costs, memory: MemoryModel) -> list:
+    """(peak, description) of the wave at the least limit it can keep: one microbatch of each
+    chunk in flight, the least any V order holds (rank 0 keeps both until the loss)."""
+    least = memory.forward  # in units: two chunk-activations
+    try:
+        orders = _wave(p, m, costs, least, memory)
+    except ScheduleError:
+        return []
+    peak = max(peak_memory(Schedule("probe", Placement(p, Layout.V), m, orders), memory))
+    return [(peak, "V-ZB wave, cost-aware")]
+
+
+def _periodic(p: int, m: int, costs: Costs, scale: float) -> tuple:
+    return periodic_orders(periodic_block(p, costs, scale), m)
+
+
+def _family_within(p: int, m: int, limit: float, memory: MemoryModel, smallest: list,
+                   skipped: list):
+    """Family blocks whose steady-state memory fits, the ``_FAMILY_BUDGET`` largest first.
+
+    A block whose lifespans alone exceed the limit (:func:`_lifespan_bound`) is not probed;
+    it goes to ``skipped``, whose exact peaks matter only when nothing fits (the error message).
+    """
+    fitting = []
+    for offsets in v_family(p):
+        block = v_block(p, offsets)
+        if block is None:
+            continue
+        if _steady(block, m) and memory == MemoryModel() and _lifespan_bound(block) > limit + _EPS:
+            skipped.append((offsets, block))
+            continue
+        peak = _probe_peak(block, m, memory)
+        smallest.append((peak, f"V family block, {offsets.describe()}"))
+        if peak <= limit + _EPS:
+            fitting.append((-peak, offsets, block))
+    fitting.sort(key=lambda x: (x[0], x[1]))
+    return [(offsets, block) for _, offsets, block in fitting[:_FAMILY_BUDGET]]
+
+
+def _steady_microbatches(block) -> int:
+    """Microbatches after which a repeated block is in its steady state (a lifespan's worth)."""
+    return max(slot for rank in block.slots for _, slot in rank) // block.interval + 3
+
+
+def _steady(block, m: int) -> bool:
+    return m >= _steady_microbatches(block)
+
+
+def _probe_peak(block, m: int, memory: MemoryModel) -> float:
+    """Peak memory of a short repeat: steady state is reached after a lifespan of microbatches."""
+    short = min(m, _steady_microbatches(block))
+    return repeated_peak(block, short, memory) / Layout.V.chunks
+
+
+def _lifespan_bound(block) -> float:
+    """A lower bound (units) on a repeated V block's peak (paper: memory ~ lifespan / interval).
+
+    On each rank a chunk's activation lives from its F to past its W, at least one slot after
+    its B; in steady state the rank holds (lifespan of chunk 0 + lifespan of chunk 1) /
+    interval chunk-activations on average, so at least the floor of that at its peak.
+    """
+    worst = 0
+    for rank in block.slots:
+        slot = dict(rank)
+        lifespans = sum(slot[(B, c)] + 2 - slot[(F, c)] for c in (0, 1))
+        worst = max(worst, lifespans // block.interval)
+    return worst / 2
