@@ -32,7 +32,7 @@ def _cut(schedule, timing, line):
 def _reference(schedule, costs, memory, cap, line):
     """The module doc's rule, written plainly on actions: every step looks at every pass left
     (quadratic, for small schedules only)."""
-    p, stages = schedule.placement.ranks, schedule.num_stages
+    stages = schedule.num_stages
     durations = action_durations(schedule, costs)
     timing = simulate(schedule, costs)
 

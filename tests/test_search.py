@@ -1,8 +1,6 @@
 """Issue 3: the adaptive V scheduler (``auto``), its frontier and its CLI."""
 import gc
 import json
-import subprocess
-import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st

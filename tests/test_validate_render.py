@@ -55,7 +55,7 @@ def test_missing_duplicate_and_wrong_rank_are_rejected():
     rows = [list(r) for r in s.rank_actions]
     moved = rows[2].pop()
     rows[3].append(moved)
-    with pytest.raises(ValidationError, match=f"belongs on rank 2"):
+    with pytest.raises(ValidationError, match="belongs on rank 2"):
         validate(s.with_actions(rows))
     rows = [list(r) for r in s.rank_actions]
     rows[0].pop()

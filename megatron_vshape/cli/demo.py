@@ -7,7 +7,6 @@ schedule's measured timelines as pictures, plus ``demo.json`` with the numbers.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
