@@ -75,6 +75,22 @@ def test_auto_reaches_the_reference_at_v_min_limit(p, m, comm, limit, reference)
     assert found.result.peak_memory_max <= limit
 
 
+@pytest.mark.parametrize("m, comm, filled, unfilled", [(64, 0.1, 418.0, 418.6),
+                                                       (32, 0.5, 261.0, 262.0)])
+def test_gap_fill_still_wins_at_three_quarters_of_1f1b_memory(m, comm, filled, unfilled,
+                                                              monkeypatch):
+    """Above V-Min's limit and over 2,000 passes the fill won only at 3p/4 units (costs 2,2,2,
+    p = 16; the 720 searches of improvements._SLOT_SPREAD's docstring): the rule that runs it
+    must keep those wins."""
+    costs = Costs.build(16, 2, 2, 2, comm=comm)
+    adaptive._search_cached.cache_clear()
+    assert search(16, m, costs, 12.0).result.makespan == pytest.approx(filled)
+    monkeypatch.setattr(improvements, "_GAPS_FILLED", 0)
+    adaptive._search_cached.cache_clear()
+    assert search(16, m, costs, 12.0).result.makespan == pytest.approx(unfilled)
+    adaptive._search_cached.cache_clear()  # not the unfilled answer for later tests
+
+
 @pytest.mark.parametrize("p, m, costs, limit, fills", [
     (16, 32, (2, 2, 2, 0.1), 9, True), (16, 32, (2, 2, 2, 0.1), 16, False),
     (16, 32, (1, 1.2, 0.8, 0.1), 9, False), (16, 32, (2, 2.78, 0.7, 0.05), 9, False),
