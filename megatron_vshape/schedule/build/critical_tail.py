@@ -188,7 +188,12 @@ class _Tail:
 def critical_tails(orders, placement: Placement, costs: Costs, cap: float,
                    memory: MemoryModel = MemoryModel(), lines=LINES) -> dict:
     """{line: ``critical_tail``'s orders from it} for each of ``lines``, sharing what the lines
-    read; a line whose tails cannot run (a forward that never fits) is left out."""
+    read; a line whose tails cannot run (a forward that never fits) is left out.
+
+    The own line's orders can deadlock: it cuts the ranks at different times, so a pass a rank
+    keeps can wait for one another rank re-schedules, which the re-scheduling takes as ended
+    at its old time (the V-ZB wave at p = 16, m = 32 and 18 units, costs 2,2.4,1.6,0.1). The
+    caller times them (search/tails.py) and passes such a line over."""
     _check(orders, lines)
     shape = _Shape(orders, placement, costs, memory, cap)
     out = {}
