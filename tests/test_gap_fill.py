@@ -75,32 +75,33 @@ def test_auto_reaches_the_reference_at_v_min_limit(p, m, comm, limit, reference)
     assert found.result.peak_memory_max <= limit
 
 
-@pytest.mark.parametrize("m, comm, filled, unfilled", [(64, 0.1, 418.0, 418.6),
-                                                       (32, 0.5, 261.0, 262.0)])
-def test_gap_fill_still_wins_at_three_quarters_of_1f1b_memory(m, comm, filled, unfilled,
-                                                              monkeypatch):
-    """Above V-Min's limit and over 2,000 passes the fill won only at 3p/4 units (costs 2,2,2,
-    p = 16; the 720 searches of improvements._SLOT_SPREAD's docstring): the rule that runs it
-    must keep those wins."""
-    costs = Costs.build(16, 2, 2, 2, comm=comm)
+@pytest.mark.parametrize("costs, m, limit, filled, unfilled", [
+    ((2, 2, 2, 0.1), 64, 12, 418.0, 418.6), ((2, 2, 2, 0.5), 32, 12, 261.0, 262.0),
+    ((2, 2.4, 1.6, 0), 32, 14, 216.0, 218.2), ((1, 1.2, 0.8, 0.1), 32, 18, 110.3, 110.8)])
+def test_gap_fill_keeps_its_wins_off_the_v_zb_level(costs, m, limit, filled, unfilled,
+                                                    monkeypatch):
+    """Over 2,000 passes (p = 16) the fill wins at 3p/4 units, at spread 1.5 and above 1F1B's
+    memory (improvements._SLOT_SPREAD's docstring): the rule that runs it must keep those."""
+    costs = Costs.build(16, *costs[:3], comm=costs[3])
     adaptive._search_cached.cache_clear()
-    assert search(16, m, costs, 12.0).result.makespan == pytest.approx(filled)
+    assert search(16, m, costs, float(limit)).result.makespan == pytest.approx(filled)
     monkeypatch.setattr(improvements, "_GAPS_FILLED", 0)
     adaptive._search_cached.cache_clear()
-    assert search(16, m, costs, 12.0).result.makespan == pytest.approx(unfilled)
+    assert search(16, m, costs, float(limit)).result.makespan == pytest.approx(unfilled)
     adaptive._search_cached.cache_clear()  # not the unfilled answer for later tests
 
 
 @pytest.mark.parametrize("p, m, costs, limit, fills", [
     (16, 32, (2, 2, 2, 0.1), 9, True), (16, 32, (2, 2, 2, 0.1), 16, False),
-    (16, 32, (1, 1.2, 0.8, 0.1), 9, False), (16, 32, (2, 2.78, 0.7, 0.05), 9, False),
-    (4, 8, (2, 2.78, 0.7, 0.05), 3, True), (4, 8, (2, 2, 2, 0.1), 4, True)])
+    (16, 32, (2, 2, 2, 0.1), 18, True), (16, 32, (1, 1.2, 0.8, 0.1), 9, True),
+    (16, 32, (2, 2.78, 0.7, 0.05), 9, False), (4, 8, (2, 2.78, 0.7, 0.05), 3, True),
+    (4, 8, (2, 2, 2, 0.1), 4, True)])
 def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs, limit, fills,
                                                                      monkeypatch):
     """The fill counts every pass as one slot, so over 2,000 passes the search runs it only
-    below 1F1B's memory and where F, B and W are within 1.25x of each other
-    (improvements._SLOT_SPREAD): not at costs 1,1.2,0.8 or the H100 costs, nor at p units; on a
-    small schedule (p = 4, m = 8: 192 passes) always."""
+    where F, B and W are within 2x of each other (improvements._SLOT_SPREAD), and not at
+    exactly 1F1B's memory (V-ZB's level, where it never won): not at the H100 costs, nor at
+    p units; on a small schedule (p = 4, m = 8: 192 passes) always."""
     calls = []
 
     def recorded(placement, orders, memory=MemoryModel()):

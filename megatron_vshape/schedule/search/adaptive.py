@@ -40,8 +40,8 @@ Candidates, all V-shaped (two chunks per rank):
                      best of those W-deferred, and a winner among them polished once more
                      (costs 2,2,2 at V-Min's limit, p = 16, hop 0.1, m = 16: 169.4 -> 169.0,
                      the reference's); left out with ``shapes=False`` and, over 2,000 passes,
-                     at 1F1B's memory or where F, B and W differ by over 1.25x
-                     (``_SLOT_SPREAD``)
+                     at exactly 1F1B's memory or where F, B and W differ by over 2x
+                     (improvements.py's ``_SLOT_SPREAD``)
     repeated moves   at V-Min's memory or less and at most 768 passes, the winner improved by
                      local.py's moves made in every microbatch at once (``_REPEATED_PASSES``)
     critical tail    last, the winner's cool-down re-scheduled critical path first

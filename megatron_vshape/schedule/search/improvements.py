@@ -48,20 +48,22 @@ where a wave no longer got polished). Costs 2,2,2 at V-Min's limit, where the re
 search was ahead: p = 16, hop 0.1, m = 16/32/64: 169.4/274.2/484.2 -> 169.0/274.0/483.8 (the
 reference's), hop 0.5, m = 64: 649.0 -> 647.0 (same); p = 8, m = 64, hop 0.1: 434.2 -> 432.8
 (the reference: 434.0). 2 bases reach all five; 0.05-0.2 s at p = 16, m = 64."""
-_SLOT_SPREAD = 1.25
+_SLOT_SPREAD = 2.0
 _GAPS_CHEAP_PASSES = 2_000
-"""Gaps are filled only below 1F1B's memory (p units) where, on every rank, the longest of F,
-B and W takes at most ``_SLOT_SPREAD`` times the shortest, or where that is cheap (at most
-this many passes): the fill counts every pass as one slot (gap_fill.py), so where passes take
-different times its gaps are not the real ones. Over 720 searches (p 4-16, m 8-64, costs
-2,2,2 / 2,2.4,1.6 / 1,1.2,0.8 with hop 0, 0.1 and 0.5, limits V-Min's, V-Half's, 3p/4 and p
-units, both memory models) it won 24, all at costs 2,2,2 or on at most 2,000 passes: at V-Min's
-limit and at 3p/4 (p = 16, m = 64, hop 0.1: 418.6 -> 418.0), never at V-Half's or at p units
-over 2,000 passes, nor at spread 1.5 there; the same on the named levels' grid (p 4-16, m
-p-8p, 9 cost sets: 396 builds) and of 198 searches at spreads 3-5 (p 4-16, m p-4p) it won 2,
-at p = 4, m = 8 (costs 2,3,0.6,0.1 at 2 units: 72.9 against 73.1), where it takes 2 ms.
-Where it does not win it costs 0.04 s at p = 16, m = 64 (v-half at costs 2,2.4,1.6,0.5, v-zb
-at 2,2,2,0.1 and 1,1.2,0.8,0.1: over 0.5 s with it)."""
+"""Gaps are filled only where, on every rank, the longest of F, B and W takes at most
+``_SLOT_SPREAD`` times the shortest, and the limit is not 1F1B's memory (p units, V-ZB's level),
+or where that is cheap (at most this many passes): the fill counts every pass as one slot
+(gap_fill.py), so where a W takes a quarter of a B its gaps are not the real ones. Over the
+named levels' grid (p 4-16, m p-8p, 9 cost sets, both memory models: 396 builds) it won only at
+costs 2,2,2 and 1,1.2,0.8 (spread 1-1.5), never at the H100 costs (2, 2.78, 0.7: spread 4),
+where it took 0.03-0.04 s at p = 16, m = 64 (v-half, v-zb); of 198 searches at spreads 3-5 (p
+4-16, m p-4p, 4 limits) it won 2, at p = 4, m = 8 (costs 2,3,0.6,0.1 at 2 units: 72.9 against
+73.1), where it takes 2 ms. At exactly p units it never won over 2,000 passes: of 90 such
+searches (p 8 and 16, m 32-64, spreads 1-1.5, hops 0-0.5, both models) every winner came from
+the V-ZB block or the wave, and there it cost 0.04 s (v-zb at p = 16, m = 64: 0.50 -> 0.43 s
+without it at costs 2,2,2,0.1 / 1,1.2,0.8,0.1 / 2,2.4,1.6,0.5). Below p and above it, it does
+win at spread 1.5: 26 of 336 searches at every limit from V-Min's to p - 1 (up to 1.0%: p = 16,
+m = 32, costs 2,2.4,1.6,0 at 14 units, 218.2 -> 216.0), and 28 of 108 at p + 2, 1.5p and 2p."""
 _RELAID = 4
 _RELAID_LARGE = 1
 """The fastest candidates (distinct orders) whose warm-up and cool-down are re-laid, besides
@@ -189,12 +191,12 @@ def _fill_fastest(pool: Pool, count: int) -> None:
 
 def _fills_gaps(pool: Pool) -> bool:
     """Whether the search fills unit-slot bubbles (``_GAPS_FILLED``): not with ``shapes=False``,
-    and only below 1F1B's memory where F, B and W take about as long as each other, or where
+    and only where F, B and W take about as long as each other, not at 1F1B's memory, or where
     the schedule is small (``_SLOT_SPREAD``, ``_GAPS_CHEAP_PASSES``)."""
     costs, p = pool.costs, pool.placement.ranks
     if 6 * p * pool.microbatches <= _GAPS_CHEAP_PASSES:
         return pool.shapes
-    return pool.shapes and pool.limit < p - _EPS and all(
+    return pool.shapes and abs(pool.limit - p) > _EPS and all(
         max(f, b, w) <= _SLOT_SPREAD * min(f, b, w)
         for f, b, w in zip(costs.forward, costs.backward, costs.weight))
 
