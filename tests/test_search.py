@@ -38,7 +38,7 @@ def test_frontier_bubble_falls_as_memory_grows(p, m, costs):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(p=st.integers(2, 8), m_factor=st.floats(0.2, 4), fraction=st.floats(0.2, 1.0),
+@given(p=st.integers(2, 8), m_factor=st.floats(0.2, 4), fraction=st.floats(0.2, 2.0),
        costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)))
 def test_everything_search_returns_is_valid_and_within_the_limit(p, m_factor, fraction, costs):
     m = max(1, round(m_factor * p))
