@@ -3,8 +3,8 @@ lines by memory, left out with ``shapes=False``, named in the description."""
 import pytest
 
 from megatron_vshape.schedule import MemoryModel, parse_costs, search, simulate, validate
-from megatron_vshape.schedule.build.critical_tail import LINES, critical_tails
-from megatron_vshape.schedule.model.simulate import DeadlockError
+from megatron_vshape.schedule.build.critical_tail import LINES, critical_tail, critical_tails
+from megatron_vshape.schedule.model.actions import ScheduleError
 from megatron_vshape.schedule.search import tails
 from megatron_vshape.schedule.search.adaptive import _search_one
 from megatron_vshape.schedule.search.levels import clear_caches
@@ -60,15 +60,16 @@ def test_lines_by_memory_and_the_description():
 def test_a_deadlocking_tail_is_passed_over():
     """Above 1F1B's memory (p = 16, m = 32, 18 units, costs 2,2.4,1.6,0.1) the own line's tails
     of the search's winner deadlock: a rank keeps a pass that waits for one another rank
-    re-schedules. The search used to raise DeadlockError there; now it passes the line over
-    and answers with a valid schedule within the limit."""
+    re-schedules. The search used to raise DeadlockError there; now the line is left out (the
+    lone line raises ScheduleError) and the search answers with a valid schedule within the
+    limit."""
     p, m, limit = 16, 32, 18.0
     costs = parse_costs("2,2.4,1.6,0.1", p)
     plain = _search_one(p, m, costs, limit, MemoryModel(), shapes=True)
-    tails_of = critical_tails(plain.schedule.rank_actions, plain.schedule.placement, costs,
-                              limit * 2, MemoryModel(), ("own",))
-    with pytest.raises(DeadlockError):
-        simulate(plain.schedule.with_actions(tails_of["own"]), costs)
+    orders, placement = plain.schedule.rank_actions, plain.schedule.placement
+    assert critical_tails(orders, placement, costs, limit * 2, MemoryModel(), ("own",)) == {}
+    with pytest.raises(ScheduleError, match="deadlock"):
+        critical_tail(orders, placement, costs, limit * 2, MemoryModel(), "own")
     assert faster_tail(plain.schedule, costs, MemoryModel(), limit,
                        plain.result.makespan) is None
     clear_caches()

@@ -33,9 +33,7 @@ def faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: fl
                 makespan: float) -> tuple[float, tuple, str] | None:
     """(makespan, orders, line) of the fastest of ``schedule``'s critical tails from the lines
     its limit tries (``tail_lines``), within ``limit`` units, or None where none runs or none
-    beats ``makespan`` (the schedule's own, which the caller has). A line whose orders deadlock
-    is passed over: at p = 16, m = 32, costs 2,2.4,1.6,0.1 and 18 units the own line's did, and
-    the search raised DeadlockError instead of answering."""
+    beats ``makespan`` (the schedule's own, which the caller has)."""
     lines = tail_lines(schedule.placement.ranks, limit)
     try:
         tails = critical_tails(schedule.rank_actions, schedule.placement, costs,
@@ -44,10 +42,7 @@ def faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: fl
         return None
     best = None
     for line, orders in tails.items():  # in LINES' order: ties keep the earlier
-        try:
-            took = makespan_of(schedule.with_actions(orders), costs)
-        except ScheduleError:  # the own line's tails can deadlock (critical_tail.py)
-            continue
+        took = makespan_of(schedule.with_actions(orders), costs)
         if took < (makespan if best is None else best[0]) - _EPS:
             best = (took, orders, line)
     return best
