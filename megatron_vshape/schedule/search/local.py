@@ -179,13 +179,18 @@ class _Search:
         return False
 
     def _moved(self, r: int, j: int, i: int):
-        """Rank r's order with the pass at j moved to i < j, or None when not allowed or
-        when it would deadlock (``_deadlocks``)."""
+        """Rank r's order with the pass at j moved to i < j, or None when not allowed, when it
+        would deadlock (``_deadlocks``) or when it does not fit the cap."""
+        new = self._spliced(r, j, i)
+        return new if new is not None and self._fits(new) else None
+
+    def _spliced(self, r: int, j: int, i: int):
+        """Rank r's order with the pass at j moved to i < j, or None when the move is not
+        allowed (``_blocked``) or surely deadlocks (``_deadlocks``); the cap is not checked."""
         order = self.orders[r]
         if self._blocked(order, i, j) or self._deadlocks(r, i, j):
             return None
-        new = order[:i] + [order[j]] + order[i:j] + order[j + 1:]
-        return new if self._fits(new) else None
+        return order[:i] + [order[j]] + order[i:j] + order[j + 1:]
 
     def _deadlocks(self, r: int, i: int, j: int) -> bool:
         """Whether moving rank r's pass at j to i < j surely deadlocks, found without timing
@@ -243,10 +248,10 @@ class _Search:
         and every one deadlocked; skipping them, v-min at p = 4 (m 4-32) and p = 8 (m 8-16), 9
         cost sets, both memory models (108 builds) got the same makespans, and p = 8, m = 16 at
         the H100 costs spent 0.165 s on repeated moves instead of 0.218 s."""
-        order = self.orders[r]
-        if self._blocked(order, i, j) or self._deadlocks(r, i, j):
+        new = self._spliced(r, j, i)  # the move itself first
+        if new is None:
             return None
-        new = order[:i] + [order[j]] + order[i:j] + order[j + 1:]  # the move itself first
+        order = self.orders[r]
         actions, m = self.index.actions, self.index.microbatches
         mover, anchor = order[j], order[i]
         low = -min(actions[mover].microbatch, actions[anchor].microbatch)
