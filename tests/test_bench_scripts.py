@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model
+from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model, simulate
+from megatron_vshape.schedule.model.actions import PassKind
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
 
@@ -61,6 +62,10 @@ def test_named_levels_bench_reports_each_name_against_1f1b_and_the_paper():
                            memory=parse_memory_model("1,-0.75,-0.25"))
     digest = hashlib.sha1(repr(built.rank_actions).encode()).hexdigest()[:12]
     assert rows[1]["orders_sha1"] == digest != rows[0]["orders_sha1"]
+    timed = simulate(built, parse_costs("2,2.78,0.7,0.05", 4), parse_memory_model("1,-0.75,-0.25"))
+    forwards = [start for a, start in zip(built.rank_actions[0], timed.start[0])
+                if a.kind is PassKind.F and a.stage == 0]  # rank 0, microbatch order
+    assert rows[1]["steady_per_microbatch"] == round((forwards[12] - forwards[4]) / 8, 4)
 
 
 def test_cooldown_gap_bench_solves_or_skips_without_ortools():

@@ -8,7 +8,10 @@ there (8-25% of a chunk: ``1,-0.75,-0.25``); m = per-rank x p. Per case and name
 of the fastest order at the name's memory level and of the paper's fixed order, both over
 1F1B's, their peaks, the build time of the fastest (median of ``--repeats`` uncached runs) and
 a digest of its orders (``orders_sha1``): two runs that print the same digests built the same
-orders, which is how a speed-up is checked to change nothing.
+orders, which is how a speed-up is checked to change nothing; and its steady state
+(``steady_per_microbatch``: how far apart rank 0 starts its stage-0 forwards over the middle half
+of the microbatches), which README compares with the fastest steady state a block allows
+(tests/test_search_bound.py).
 Targets (issue 15): v-half <= 1.0 x 1F1B (goal 0.95), v-min <= 1.10 x, v-zb <= 0.92 x; a
 named schedule under 0.5 s for p <= 16, m <= 64.
 """
@@ -19,6 +22,7 @@ import statistics
 import time
 
 from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model, simulate
+from megatron_vshape.schedule.model.actions import PassKind
 from megatron_vshape.schedule.search.levels import LEVEL_NAMES, clear_caches
 
 
@@ -59,8 +63,21 @@ def main() -> None:
                     "paper_peak_memory_max": round(fixed.peak_memory_max, 4),
                     "build_s_median": round(statistics.median(times), 4),
                     "orders_sha1": orders_digest(fastest),
+                    "steady_per_microbatch": steady_per_microbatch(fastest, ours),
                     "description": fastest.description,
                 }), flush=True)
+
+
+def steady_per_microbatch(schedule, result) -> float | None:
+    """Rank 0's stage-0 forwards from microbatch m/4 to 3m/4, over their count: the steady
+    state's time per microbatch, away from the fill and the drain (None below 4 microbatches)."""
+    m = schedule.microbatches
+    if m < 4:
+        return None
+    starts = {a.microbatch: start for a, start in zip(schedule.compute_actions(0), result.start[0])
+              if a.kind is PassKind.F and a.stage == 0}
+    first, last = m // 4, 3 * m // 4
+    return round((starts[last] - starts[first]) / (last - first), 4)
 
 
 def orders_digest(schedule) -> str:
