@@ -394,8 +394,8 @@ def _repeated_block(starts: dict, placement: Placement, patterns: int, period: i
         for (r, name, j), start in starts.items():
             if r != rank:
                 continue
-            stage = placement.stage_of(rank, int(name[1]))
-            timed += [(start + (k // patterns) * patterns * period, k,
-                       Action(PassKind[name[0]], stage, k)) for k in range(j, microbatches, patterns)]
+            kind, stage = PassKind[name[0]], placement.stage_of(rank, int(name[1]))
+            timed += [(start + (k // patterns) * patterns * period, k, Action(kind, stage, k))
+                      for k in range(j, microbatches, patterns)]
         orders.append(tuple(action for *_, action in sorted(timed)))
     return Schedule("two-pattern block", placement, microbatches, tuple(orders))
