@@ -46,6 +46,7 @@ import pytest
 
 from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Schedule,
                                       build_schedule, parse_costs, simulate, validate)
+from megatron_vshape.schedule.build.periodic import PeriodicBlock, periodic_orders
 from megatron_vshape.schedule.model.actions import Action, PassKind
 from megatron_vshape.schedule.model.deps import completion_key, dependencies
 
@@ -374,28 +375,13 @@ def test_two_alternating_patterns_run_faster_than_one_at_v_half_memory_p4():
     status, starts = _solve_block(4, _H100_TICKS, _H100_COMM, 560, chunks, seconds=400,
                                   freed_at_b=3, patterns=2)
     assert status in ("OPTIMAL", "FEASIBLE")
-    schedule = _repeated_block(starts, Placement(4, Layout.V), 2, 560, 32)
+    block = PeriodicBlock(4, 2 * 560, tuple(
+        tuple((start, PassKind[name[0]], int(name[1]), j)
+              for (r, name, j), start in starts.items() if r == rank) for rank in range(4)), 2)
+    schedule = Schedule("two-pattern block", Placement(4, Layout.V), 32, periodic_orders(block, 32))
     validate(schedule)
     result = simulate(schedule, parse_costs("2,2.78,0.7,0.05", 4), MemoryModel(1, -0.75, -0.25))
     assert result.peak_memory_max <= 3 + 1e-9
     forwards = [start for action, start in zip(schedule.rank_actions[0], result.start[0])
                 if action.kind is PassKind.F and action.stage == 0]  # compute passes only
     assert forwards[24] - forwards[8] <= 8 * 11.20 + 1e-6  # two microbatches per 11.20
-
-
-def _repeated_block(starts: dict, placement: Placement, patterns: int, period: int,
-                    microbatches: int) -> Schedule:
-    """The orders of ``microbatches`` that repeat a block (``_solve_block``'s starts, in
-    hundredths) every ``patterns`` periods: each rank runs its passes in the order of their
-    starts, so the schedule's steady state is the block's."""
-    orders = []
-    for rank in range(placement.ranks):
-        timed = []
-        for (r, name, j), start in starts.items():
-            if r != rank:
-                continue
-            kind, stage = PassKind[name[0]], placement.stage_of(rank, int(name[1]))
-            timed += [(start + (k // patterns) * patterns * period, k, Action(kind, stage, k))
-                      for k in range(j, microbatches, patterns)]
-        orders.append(tuple(action for *_, action in sorted(timed)))
-    return Schedule("two-pattern block", placement, microbatches, tuple(orders))

@@ -31,12 +31,16 @@ _EPS = 1e-9
 
 @dataclass(frozen=True)
 class PeriodicBlock:
-    """Microbatch 0's pass start times per rank, repeated every ``period``."""
+    """The pass start times per rank of ``patterns`` microbatches (``periodic_block``'s: one),
+    repeated every ``period``: repeat k runs microbatches k x patterns + offset. A block of
+    several lets their patterns differ, a steady state that alternates them (the machine proof
+    in tests/test_search_bound.py, case 6, builds one)."""
 
     ranks: int
     period: float
-    starts: tuple[tuple[tuple[float, PassKind, int], ...], ...]
-    """Per rank: (start time, kind, chunk) of microbatch 0's six passes."""
+    starts: tuple[tuple[tuple[float, PassKind, int, int], ...], ...]
+    """Per rank: (start time, kind, chunk, offset) of each pass of the block's microbatches."""
+    patterns: int = 1
 
 
 class _Reservations:
@@ -75,12 +79,12 @@ def periodic_block(ranks: int, costs: Costs, period_scale: float = 1.0) -> Perio
     w = [x / 2 for x in costs.weight]
     period = period_scale * max(2 * (f[r] + b[r] + w[r]) for r in range(p))
     table = [_Reservations(period) for _ in range(p)]
-    starts: list[list[tuple[float, PassKind, int]]] = [[] for _ in range(p)]
+    starts: list[list[tuple[float, PassKind, int, int]]] = [[] for _ in range(p)]
     hop = costs.comm
 
     def put(rank, kind, chunk, earliest, length):
         start = table[rank].place(earliest, length)
-        starts[rank].append((start, kind, chunk))
+        starts[rank].append((start, kind, chunk, 0))
         return start + length
 
     ready = 0.0
@@ -108,13 +112,14 @@ def periodic_block(ranks: int, costs: Costs, period_scale: float = 1.0) -> Perio
 def periodic_orders(block: PeriodicBlock, microbatches: int) -> tuple[tuple[Action, ...], ...]:
     """Repeat ``block`` every period and order each rank's passes by start time."""
     placement = Placement(block.ranks, Layout.V)
+    step = block.patterns
     orders = []
     for rank, passes in enumerate(block.starts):
         stage = (placement.stage_of(rank, 0), placement.stage_of(rank, 1))
         timed = [
-            (start + k * block.period, order, Action(kind, stage[chunk], k))
-            for k in range(microbatches)
-            for order, (start, kind, chunk) in enumerate(passes)
+            (start + k * block.period, order, Action(kind, stage[chunk], k * step + offset))
+            for order, (start, kind, chunk, offset) in enumerate(passes)
+            for k in range((microbatches - offset + step - 1) // step)
         ]
         timed.sort(key=lambda x: (round(x[0], 9), x[1]))
         orders.append(tuple(a for _, _, a in timed))
