@@ -7,11 +7,16 @@ before building models. They patch torch and megatron process-wide, which is why
 worker processes call them.
 """
 import contextlib
+import importlib
+import importlib.util
+import sys
+import types
 from functools import partial
 
 import torch
 
-__all__ = ["install_cpu_shims", "allow_sequence_parallel_norms", "SequenceParallelLayerNorm"]
+__all__ = ["install_cpu_shims", "install_triton_stand_in", "allow_sequence_parallel_norms",
+           "SequenceParallelLayerNorm"]
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
               "empty_like", "randn", "rand")
@@ -59,6 +64,66 @@ class _CpuRngTracker:
     @contextlib.contextmanager
     def fork(self, name="model-parallel-rng"):
         yield
+
+
+_INDUCTOR_PROBES = ("torch._dynamo", "torch._inductor.runtime.hints",
+                    "torch._inductor.runtime.triton_compat", "functorch.compile",
+                    "torch._dynamo.repro.after_dynamo", "torch._inductor.compile_fx")
+"""torch modules that look for triton once, when first imported: imported while none exists."""
+
+
+class _TritonPlaceholder:
+    """Any attribute of the stand-in ``triton.language`` (``tl.constexpr``, ``tl.float32``...):
+    enough for a module body or a signature to evaluate; never a kernel that runs."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, item):
+        if item.startswith("__"):
+            raise AttributeError(item)
+        return _TritonPlaceholder(f"{self._name}.{item}")
+
+    def __call__(self, *args, **kwargs):
+        return _TritonPlaceholder(f"{self._name}()")
+
+    def __getitem__(self, item):
+        return self
+
+    def __repr__(self) -> str:
+        return f"<triton stand-in {self._name}>"
+
+
+def _language_attribute(item):
+    if item.startswith("__"):
+        raise AttributeError(item)
+    return _TritonPlaceholder(f"triton.language.{item}")
+
+
+def install_triton_stand_in() -> None:
+    """Let megatron-core >= 0.17 import on CPU-only torch (idempotent; before megatron imports).
+
+    megatron-core 0.19 imports ``triton`` at module level (transformer/moe/ops/paged_stash.py,
+    fusions/fused_indices_converter.py reads ``triton.__version__``, inference modules); CPU
+    torch ships no triton. A stand-in module whose ``jit``/``autotune``/``heuristics`` are
+    identity decorators lets those modules load; their kernels are GPU paths the CPU never
+    takes. torch's inductor probes for triton when first imported, so its probing modules are
+    imported first, while no triton exists. Nothing happens where a real triton is importable.
+    """
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    for name in _INDUCTOR_PROBES:
+        importlib.import_module(name)
+    triton = types.ModuleType("triton")
+    triton.__file__, triton.__version__ = "<megatron-vshape CPU stand-in>", "3.4.0"
+    triton.jit = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)
+    triton.autotune = triton.heuristics = lambda *args, **kwargs: (lambda f: f)
+    triton.Config = _TritonPlaceholder("triton.Config")
+    triton.cdiv = lambda a, b: -(-a // b)
+    language = types.ModuleType("triton.language")
+    language.__getattr__ = _language_attribute
+    triton.language = language
+    sys.modules["triton"], sys.modules["triton.language"] = triton, language
 
 
 def install_cpu_shims() -> None:
