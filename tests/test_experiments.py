@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vshape.cli import main
+from megatron_vshape.configs import CONFIG_DIR
 from megatron_vshape.experiments import collect, expand, load_grid, parse_log, parse_run_name
 from megatron_vshape.experiments.collect import COLUMNS, summarize
 from megatron_vshape.experiments.commands import MANIFEST_COLUMNS, point_args
@@ -60,7 +61,7 @@ slurm: {{time: "00:20:00", partition: gpu, max_parallel: 4, directives: [--qos=h
 
 def _write_grid(tmp_path, text=SMALL_GRID, **fields):
     path = tmp_path / "small.yaml"
-    path.write_text(text.format(model=ROOT / "configs/models/tiny.yaml", **fields))
+    path.write_text(text.format(model=CONFIG_DIR / "models/tiny.yaml", **fields))
     return path
 
 
@@ -181,7 +182,7 @@ def test_cli_grid_dry_run_writes_nothing(tmp_path, capsys):
     assert printed.count("\n  [") == 52           # every skipped point, with its rule
 
 
-@pytest.mark.parametrize("grid", sorted((ROOT / "configs/grid").glob("*.yaml")),
+@pytest.mark.parametrize("grid", sorted((CONFIG_DIR / "grid").glob("*.yaml")),
                          ids=lambda p: p.stem)
 def test_shipped_grids_expand(grid):
     config = load_grid(grid)
@@ -215,7 +216,7 @@ def test_shipped_grids_expand(grid):
 def test_grid_errors_name_the_field(tmp_path, capsys, change, message):
     import yaml
 
-    base = {"name": "small", "model": str(ROOT / "configs/models/tiny.yaml"),
+    base = {"name": "small", "model": str(CONFIG_DIR / "models/tiny.yaml"),
             "gpus": {"nodes": 1, "per_node": 8}, "seq_lengths": [32], "global_batch": 16,
             "tp": [1, 2], "pp": [1, 2], "mbs": [1], "schedules": ["1f1b"]}
     path = tmp_path / "bad.yaml"
@@ -228,7 +229,7 @@ def test_grid_errors_name_the_field(tmp_path, capsys, change, message):
 def test_grid_cli_errors(tmp_path, capsys):
     assert main(["grid", str(tmp_path / "nope.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    bad_model = _write_grid(tmp_path).read_text().replace(str(ROOT / "configs/models/tiny.yaml"),
+    bad_model = _write_grid(tmp_path).read_text().replace(str(CONFIG_DIR / "models/tiny.yaml"),
                                                            "missing.yaml")
     (tmp_path / "small.yaml").write_text(bad_model)
     assert main(["grid", str(tmp_path / "small.yaml")]) == 2

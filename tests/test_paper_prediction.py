@@ -9,18 +9,19 @@ from pathlib import Path
 import pytest
 
 from megatron_vshape.cli import main
+from megatron_vshape.configs import CONFIG_DIR
 from megatron_vshape.experiments.grid_file import load_grid
 from megatron_vshape.experiments.predict import FAMILIES, predict_case
 
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "paper-reproduction.md"
-GRID = "configs/grid/gpt-9.6b.yaml"
+GRID = CONFIG_DIR / "grid" / "gpt-9.6b.yaml"
 
 
 @pytest.fixture(scope="module")
 def small_case(tmp_path_factory):
     out = tmp_path_factory.mktemp("paper") / "prediction.md"
-    code = main(["paper", str(ROOT / GRID), "--seq-lengths", "3072", "--output", str(out)])
+    code = main(["paper", str(GRID), "--seq-lengths", "3072", "--output", str(out)])
     assert code == 0
     return out.read_text()
 
@@ -38,7 +39,7 @@ def test_one_case_names_every_family_and_the_best_v_speed_up(small_case):
     assert len(cells) == 2 + len(FAMILIES) + 2
     assert all("tok/s" in c for c in cells[2:4])  # 1F1B and 1F1B-R fit at seq 3072
     gain, gain_r = (float(c.lstrip("x")) for c in cells[-2:])
-    case = predict_case(load_grid(ROOT / GRID), 3072)
+    case = predict_case(load_grid(GRID), 3072)
     assert gain == pytest.approx(case.gain_over("1f1b"), abs=1e-3)
     assert gain_r == pytest.approx(case.gain_over("1f1b-r"), abs=1e-3)
     assert gain_r > gain > 1.0  # recomputation replays a forward: 1F1B-R is the slower baseline
@@ -60,5 +61,5 @@ def test_the_committed_document_is_what_its_command_writes(small_case):
 
 
 def test_a_sequence_length_the_grid_lacks_is_refused(capsys):
-    assert main(["paper", str(ROOT / GRID), "--seq-lengths", "4096", "-o", "/dev/null"]) == 2
+    assert main(["paper", str(GRID), "--seq-lengths", "4096", "-o", "/dev/null"]) == 2
     assert "--seq-lengths [4096]" in capsys.readouterr().err

@@ -6,11 +6,11 @@ import csv
 import io
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_vshape.cli import main
+from megatron_vshape.configs import CONFIG_DIR
 from megatron_vshape.plan import load_model_config
 from megatron_vshape.plan.candidates import GridPoint, SearchSpace
 from megatron_vshape.plan.cost import analytic_times, layer_flops
@@ -24,7 +24,7 @@ from megatron_vshape.plan.shares import rank_shares, stage_layer_counts, whole_m
 from megatron_vshape.plan.table import CSV_COLUMNS, format_csv, format_table
 from megatron_vshape.schedule import Layout, Placement, build_schedule, simulate
 
-MODELS = Path(__file__).parent.parent / "configs" / "models"
+MODELS = CONFIG_DIR / "models"
 GPT_9B = load_model_config(MODELS / "gpt-9.6b.yaml")
 SMALL = load_model_config(MODELS / "small.yaml")
 FIXED = ("1f1b", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb")
@@ -300,7 +300,7 @@ def test_cli_prints_the_ranked_table_and_writes_the_csv(tmp_path, capsys):
     ({"--tp": "3"}, "--tp [3] invalid"),
     ({"--pp": "5"}, "valid choices: 1, 2, 4, 8"),
     ({"--gpus": "12"}, "--gpus-per-node"),
-    ({"--model": "configs/models/missing.yaml"}, "--model"),
+    ({"--model": "models/missing.yaml"}, "--model"),
     ({"--gpu-memory": "2"}, "--reserved-memory"),
     ({"--micro-batch-sizes": "0"}, "--micro-batch-sizes"),
     ({"--gpus": "eight"}, "--gpus: invalid int value"),

@@ -1,6 +1,6 @@
 """Measured cost profiles: ``vshape profile`` writes what ``vshape plan --profile`` reads.
 
-One CPU measurement of configs/models/tiny.yaml through the CLI (a spawned gloo process,
+One CPU measurement of the bundled tiny model through the CLI (a spawned gloo process,
 megatron-core layers with our B/W split; about 10 s, most of it importing megatron-core), the
 committed profiles read by the planner, and the loader's errors for the fields the profiler
 adds (memory facts, provenance). A CUDA variant runs in the GPU tier.
@@ -15,12 +15,12 @@ import torch
 import yaml
 
 from megatron_vshape.cli import build_parser, main
+from megatron_vshape.configs import CONFIG_DIR
 from megatron_vshape.plan.profile_file import format_profile, load_profile
 from megatron_vshape.schedule.model.costs import MemoryModel
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "models" / "tiny.yaml"
-PROFILES = ROOT / "configs" / "profiles"
+TINY = CONFIG_DIR / "models" / "tiny.yaml"
+PROFILES = CONFIG_DIR / "profiles"
 
 
 def _measure_tiny(tmp_path, device: str):
@@ -94,7 +94,8 @@ def test_committed_profiles_carry_their_provenance(path):
     profile = load_profile(path)
     words = shlex.split(profile.command)
     args = build_parser().parse_args(words[1:])
-    assert words[:2] == ["vshape", "profile"] and args.output == f"configs/profiles/{path.name}"
+    assert words[:2] == ["vshape", "profile"]
+    assert args.output == f"megatron_vshape/configs/profiles/{path.name}"
     assert args.seq_length == profile.seq_length
     assert sorted(args.micro_batch_sizes) == [m.micro_batch_size for m in profile.measurements]
     assert profile.machine.kind == args.device and profile.machine.device
@@ -128,7 +129,7 @@ def test_a_profiles_leftover_sets_what_w_keeps_in_the_plan():
     from megatron_vshape.plan.settings import ClusterConfig, TrainingConfig
 
     profile = load_profile(PROFILES / "cpu-small.yaml")
-    model = load_model_config(ROOT / "configs" / "models" / "small.yaml")
+    model = load_model_config("small")
     training = TrainingConfig(profile.seq_length, 8, flash_attention=False)
     point, cluster = GridPoint(1, 1, 4, 1, 8), ClusterConfig(4, 80.0)
     layer = activation_sizes(model, training, 1, 1).layer

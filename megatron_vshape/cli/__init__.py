@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from ..schedule import ScheduleError
 from . import demo, experiments, plan, profile, schedules
 
@@ -21,6 +22,7 @@ _MODULES = (demo, schedules, plan, profile, experiments)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vshape", description="memory-controllable V-shape pipeline schedules for megatron-core")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in _MODULES:
         module.register(sub)

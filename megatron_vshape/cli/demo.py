@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from .plan import model_help
+
 __all__ = ["register"]
 
 
@@ -20,8 +22,9 @@ def register(sub) -> None:
     demo.add_argument("--ranks", "-p", type=int, default=4, help="gloo processes (default 4)")
     demo.add_argument("--microbatches", "-m", type=int, default=8, help="default 8")
     demo.add_argument("--steps", type=int, default=4, help="training iterations (default 4)")
-    demo.add_argument("--model", help="configs/models/NAME.yaml (default: the embedded tiny GPT, "
-                                      "configs/models/tiny.yaml's shape)")
+    demo.add_argument("--model", metavar="NAME|FILE",
+                      help=f"{model_help()} (default: the embedded tiny GPT, the bundled tiny's "
+                           "shape)")
     demo.add_argument("--schedules", default="1f1b,zb-1p,v-min,v-half,v-zb,auto",
                       help="comma-separated (default: all; 1f1b is always run as the reference)")
     demo.add_argument("--memory-limit", default="0.75",

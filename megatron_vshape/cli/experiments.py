@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..configs import config_names
 from ..experiments.collect import (H100_BF16_TFLOPS, collect, plot_throughput_vs_memory,
                                    write_csv)
 from ..experiments.commands import (command_line, write_array_job, write_commands,
@@ -19,8 +20,8 @@ from ..experiments.grid_file import load_grid
 __all__ = ["register"]
 
 _PLOT_SUFFIXES = (".png", ".svg", ".pdf")
-_PAPER_GRIDS = tuple(f"configs/grid/gpt-{size}.yaml" for size in ("9.6b", "21b", "38.5b", "98.5b"))
-"""The paper's four models on their GPU counts."""
+_PAPER_GRIDS = ("gpt-9.6b", "gpt-21b", "gpt-38.5b", "gpt-98.5b")
+"""The paper's four models on their GPU counts: bundled grids (megatron_vshape/configs/grid/)."""
 _MAX_ARRAY = 1000
 """Array task ids a default slurm accepts (MaxArraySize 1001 allows 0..1000; we split at 1000)."""
 
@@ -28,7 +29,9 @@ _MAX_ARRAY = 1000
 def register(sub) -> None:
     """Add this module's subcommands to the ``vshape`` parser."""
     grid = sub.add_parser("grid", help="expand a grid YAML into launch commands or a slurm array")
-    grid.add_argument("grid", metavar="GRID.yaml", help="a grid file (configs/grid/README.md)")
+    grid.add_argument("grid", metavar="GRID", help="a bundled grid's name (%s) or a grid file's "
+                      "path (schema: megatron_vshape/configs/grid/README.md)"
+                      % ", ".join(config_names("grid")))
     grid.add_argument("--output-dir", "-o",
                       help="where commands.txt, points.csv (and grid.sbatch) go "
                            "(default: runs/<grid name>)")
@@ -53,8 +56,9 @@ def register(sub) -> None:
                                        "write the best configuration of each schedule family, "
                                        "the best V's speed-up over 1F1B and 1F1B-R, and the "
                                        "pure-pipeline comparison as markdown.")
-    paper.add_argument("grids", nargs="*", metavar="GRID.yaml", default=list(_PAPER_GRIDS),
-                       help="grid files (default: the paper's four models, configs/grid/)")
+    paper.add_argument("grids", nargs="*", metavar="GRID", default=list(_PAPER_GRIDS),
+                       help="bundled grids' names or grid files' paths (default: the paper's "
+                            "four models, %(default)s)")
     paper.add_argument("--seq-lengths", type=int, nargs="+", metavar="S",
                        help="only these sequence lengths (default: each grid's)")
     paper.add_argument("--auto-candidates", type=int, default=3, metavar="K",

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..configs import config_names
 from ..plan.candidates import SearchSpace
 from ..plan.model import load_model_config
 from ..plan.planner import plan
@@ -30,7 +31,7 @@ def register(sub) -> None:
         "plan", help="rank DP x TP x PP x micro batch x schedule by predicted throughput",
         description="Predict per-GPU memory and throughput of every configuration that fits "
                     "and print them fastest first (formulas and defaults: docs/plan.md).")
-    p.add_argument("--model", required=True, help="configs/models/NAME.yaml")
+    p.add_argument("--model", required=True, metavar="NAME|FILE", help=model_help())
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in all (DP x TP x PP)")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB",
                    help="memory of one GPU in GiB (e.g. 80)")
@@ -57,6 +58,11 @@ def register(sub) -> None:
     p.set_defaults(handler=_plan)
 
 
+def model_help() -> str:
+    """``--model``'s help, with the bundled models' names (plan, profile, demo)."""
+    return f"a bundled model's name ({', '.join(config_names('models'))}) or a model YAML's path"
+
+
 def _add_training(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="bf16 mixed precision (default) or fp32")
@@ -71,9 +77,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
 
 def _add_cluster(p: argparse.ArgumentParser) -> None:
     c = _CLUSTER
-    p.add_argument("--profile", metavar="FILE",
+    p.add_argument("--profile", metavar="NAME|FILE",
                    help="measured per-layer F/B/W seconds (YAML/JSON, docs/plan.md) instead of "
-                        "the FLOP model")
+                        "the FLOP model: a file's path or a bundled profile's name (%s)"
+                        % ", ".join(config_names("profiles")))
     p.add_argument("--mfu", type=float, default=c.mfu, metavar="X",
                    help="model FLOP utilisation of the analytic cost model (default %(default)s)")
     p.add_argument("--gpu-tflops", type=float, default=c.gpu_tflops, metavar="TFLOPS",

@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from ..plan.model import load_model_config
+from .plan import model_help
 from ..plan.profile_file import format_profile
 
 __all__ = ["register"]
@@ -29,7 +30,7 @@ def register(sub) -> None:
                     "(fp32), and write the profile file `vshape plan --profile` reads, with the "
                     "bytes a microbatch keeps per layer and the share still kept after B for W "
                     "(docs/plan.md).")
-    p.add_argument("--model", required=True, help="configs/models/NAME.yaml")
+    p.add_argument("--model", required=True, metavar="NAME|FILE", help=model_help())
     p.add_argument("--seq-length", type=int, metavar="S",
                    help="tokens per sample (default: the model's)")
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1], metavar="B",
@@ -51,7 +52,8 @@ def register(sub) -> None:
     p.add_argument("--no-head", action="store_true", help="skip the LM head (final norm, "
                                                           "output layer, loss)")
     p.add_argument("--output", "-o", metavar="FILE",
-                   help="where to write (default configs/profiles/<cpu|cuda>-<model name>.yaml)")
+                   help="where to write (default <cpu|cuda>-<model name>.yaml in the current "
+                        "folder)")
     p.set_defaults(handler=_profile)
 
 
@@ -82,7 +84,7 @@ def _profile(args) -> int:
     device = default_device() if args.device == "auto" else args.device
     seq_length = args.seq_length or model.seq_length
     sizes = tuple(sorted(set(args.micro_batch_sizes)))
-    output = args.output or str(Path("configs") / "profiles" / f"{device}-{model.name}.yaml")
+    output = args.output or f"{device}-{model.name}.yaml"
     request = ProfileRequest(model, seq_length, sizes, layers, args.iters, args.warmup,
                              device, args.threads if device == "cpu" else None, not args.no_head)
     command = _command(args, seq_length, sizes, layers, device, output)

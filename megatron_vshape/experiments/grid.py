@@ -125,7 +125,7 @@ class GridConfig:
     name: str
     """Prefix of every run name (default: the grid file's stem)."""
     model: ModelConfig
-    """The model (``model:`` names a configs/models YAML, relative to the grid file)."""
+    """The model (``model:`` names a model YAML, relative to the grid file, or a bundled model)."""
     model_file: str
     """That YAML's path, as written in the grid file."""
     gpus: Gpus

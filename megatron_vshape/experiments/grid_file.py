@@ -1,4 +1,5 @@
-"""Reading ``configs/grid/NAME.yaml`` into a :class:`.grid.GridConfig`.
+"""Reading a grid YAML (a path, or a bundled grid's bare name: ``configs/grid/NAME.yaml``)
+into a :class:`.grid.GridConfig`.
 
 The YAML is checked field by field so that a typo fails with the field's name and the valid
 keys or choices, before anything is expanded or written (configs/grid/README.md is the schema).
@@ -8,6 +9,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from ..configs import find_config
 from ..plan.model import load_model_config
 from .grid import GridConfig, Gpus, ScheduleChoice, SlurmOptions
 
@@ -90,12 +92,12 @@ def _slurm(value) -> SlurmOptions:
 
 def _model(value, grid_path: Path):
     if not isinstance(value, str):
-        raise ValueError(f"model must be the path of a configs/models YAML, got {value!r}")
-    path = (grid_path.parent / value)
-    if not path.is_file():
-        raise ValueError(f"model: {str(path)!r} does not exist (model paths are relative to the "
-                         f"grid file)")
-    return load_model_config(path)
+        raise ValueError(f"model must be a model YAML's path or a bundled model's name, "
+                         f"got {value!r}")
+    try:
+        return load_model_config(find_config("models", value, base=grid_path.parent))
+    except ValueError as err:
+        raise ValueError(f"model: {err} (model paths are relative to the grid file)") from None
 
 
 def _build(data: dict, path: Path) -> GridConfig:
@@ -121,12 +123,11 @@ def _build(data: dict, path: Path) -> GridConfig:
 
 
 def load_grid(path: str | Path) -> GridConfig:
-    """Read and check a grid file; errors name the file and the field."""
+    """Read and check a grid file (a path or a bundled grid's name, ``gpt-9.6b``); errors name
+    the file and the field."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"grid file {str(path)!r} does not exist")
+    path = find_config("grid", path)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:

@@ -1,4 +1,5 @@
-"""A GPT model's shape, as ``configs/models/NAME.yaml`` gives it, and what follows from it.
+"""A GPT model's shape, as a model YAML (bundled: ``configs/models/NAME.yaml``) gives it, and
+what follows from it.
 
 One YAML file per model: the fields of :class:`ModelConfig`. The planner predicts memory and
 time from these numbers; the grid and the launchers turn them into Megatron-LM flags
@@ -9,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..configs import find_config
 
 __all__ = ["ModelConfig", "load_model_config"]
 
@@ -105,12 +108,12 @@ class ModelConfig:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Read ``configs/models/NAME.yaml``; unknown keys are an error that lists the valid ones."""
+    """Read a model YAML: a path, or a bundled model's bare name (``gpt-9.6b``: the package's
+    configs/models/NAME.yaml, :func:`megatron_vshape.configs.find_config`); unknown keys are an
+    error that lists the valid ones."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"model config {str(path)!r} does not exist")
+    path = find_config("models", path)
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"model config {str(path)!r} must be a mapping of ModelConfig fields")

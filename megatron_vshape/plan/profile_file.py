@@ -27,14 +27,14 @@ come from the analytic model.
 optional memory facts and provenance the planner's time model does not need::
 
     backward_leftover: 0.3287        # share of a layer's kept bytes B leaves for W
-    command: vshape profile --model configs/models/small.yaml ...   # how to measure it again
+    command: vshape profile --model small ...                     # how to measure it again
     machine: {kind: cpu, device: AMD EPYC, dtype: float32, threads: 1, torch: 2.13.0+cpu}
     measurements:
       - micro_batch_size: 1
         ...
         activation_bytes_per_layer: 306216960   # what one microbatch's forward keeps, per layer
 
-(configs/profiles/cpu-small.yaml). ``backward_leftover`` is the runtime's measurement
+(the bundled configs/profiles/cpu-small.yaml). ``backward_leftover`` is the runtime's measurement
 (:func:`..runtime.memory.backward_leftover`) taken on a stack of layers: after B, W still
 holds the linear layers' inputs and output gradients, the rest is freed. It may be left out
 (older files, hand-written ones), as may the rest of these keys.
@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..configs import find_config
 from ..schedule.model.costs import MemoryModel
 from .cost import PartTimes, PassTimes
 
@@ -221,12 +222,15 @@ def _leftover(value, where: str) -> float | None:
 
 
 def load_profile(path: str | Path) -> MeasuredProfile:
-    """Read a profile file (format in the module docstring); errors name the bad entry."""
+    """Read a profile file (format in the module docstring), by path or a bundled profile's bare
+    name (``cpu-small``: :func:`megatron_vshape.configs.find_config`); errors name the bad
+    entry."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--profile {str(path)!r} does not exist")
+    try:
+        path = find_config("profiles", path)
+    except ValueError as err:
+        raise ValueError(f"--profile: {err}") from None
     data = yaml.safe_load(path.read_text())
     where = f"profile {str(path)!r}"
     valid = {"seq_length", "p2p_seconds", "measurements", "backward_leftover", "command",

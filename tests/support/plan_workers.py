@@ -1,5 +1,6 @@
-"""Workers for the planner's memory check: a ``configs/models`` model on megatron-core (CPU,
-gloo, fp32, local spec), its peak bytes kept for backward per rank under one schedule.
+"""Workers for the planner's memory check: a bundled model (``megatron_vshape/configs/models``)
+on megatron-core (CPU, gloo, fp32, local spec), its peak bytes kept for backward per rank under
+one schedule.
 
 What is measured is what the planner predicts as activation memory: every tensor autograd
 saves in a forward plus what a deferred weight gradient keeps for W

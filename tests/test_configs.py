@@ -1,0 +1,98 @@
+"""The bundled model, grid and profile files, found by bare name from any folder (tier 1).
+
+``megatron_vshape.configs.find_config`` is the one lookup behind ``--model``, ``--profile``, a
+grid's ``model:`` and ``vshape grid`` / ``paper``; that the files ship in a wheel is checked in
+test_packaging.py.
+"""
+import pytest
+
+from megatron_vshape.cli import main
+from megatron_vshape.configs import CONFIG_DIR, KINDS, config_names, find_config
+from megatron_vshape.experiments import load_grid
+from megatron_vshape.plan import load_model_config
+from megatron_vshape.plan.profile_file import load_profile
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """The current folder is an empty one outside the checkout."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_every_kind_has_its_bundled_files():
+    assert config_names("models") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b", "small",
+                                      "tiny")
+    assert config_names("grid") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b")
+    assert config_names("profiles") == ("cpu-small", "cpu-tiny")
+    assert set(KINDS) == {"models", "grid", "profiles"}
+
+
+@pytest.mark.parametrize("kind", ["models", "grid", "profiles"])
+def test_bare_names_resolve_from_another_folder(kind, elsewhere):
+    for name in config_names(kind):
+        expected = CONFIG_DIR / kind / f"{name}.yaml"
+        assert find_config(kind, name) == expected
+        assert find_config(kind, f"{name}.yaml") == expected
+
+
+def test_loaders_take_bare_names(elsewhere):
+    assert load_model_config("gpt-9.6b") == load_model_config(CONFIG_DIR / "models/gpt-9.6b.yaml")
+    assert load_model_config("gpt-9.6b").num_layers == 30
+    assert load_grid("gpt-9.6b").model.name == "gpt-9.6b"
+    assert load_profile("cpu-small").seq_length == 2048
+
+
+def test_a_path_wins_over_a_bundled_name(elsewhere):
+    """A file the user points at is read, even where its name is a bundled one's."""
+    bundled = (CONFIG_DIR / "models/tiny.yaml").read_text()
+    assert "num_layers: 8\n" in bundled
+    local = elsewhere / "tiny.yaml"
+    local.write_text(bundled.replace("num_layers: 8\n", "num_layers: 4\n"))
+    assert find_config("models", "tiny.yaml").resolve() == local
+    assert load_model_config("tiny.yaml").num_layers == 4
+    assert load_model_config("tiny").num_layers == 8  # no suffix, no file: the bundled one
+    (elsewhere / "sub").mkdir()
+    assert load_model_config("sub/../tiny.yaml").num_layers == 4
+
+
+def test_a_grid_names_its_model_by_path_or_by_name(elsewhere):
+    text = (CONFIG_DIR / "grid/gpt-9.6b.yaml").read_text()
+    assert "model: ../models/gpt-9.6b.yaml\n" in text
+    by_name = elsewhere / "mine.yaml"
+    by_name.write_text(text.replace("model: ../models/gpt-9.6b.yaml", "model: gpt-21b"))
+    assert load_grid(by_name).model.name == "gpt-21b"
+    moved = elsewhere / "moved.yaml"  # a relative model path is the grid file's, not the cwd's
+    moved.write_text(text)
+    with pytest.raises(ValueError, match=r"model: model config .*models/gpt-9\.6b\.yaml"):
+        load_grid(moved)
+
+
+def test_the_cli_takes_bare_names_from_another_folder(elsewhere, capsys):
+    assert main(["plan", "--model", "small", "--gpus", "8", "--gpu-memory", "80", "--top", "1",
+                 "--profile", "cpu-small", "--seq-length", "2048", "--schedules", "1f1b",
+                 "v-half", "--recompute", "none"]) == 0
+    assert "tok/s/GPU" in capsys.readouterr().out
+    assert main(["grid", "gpt-9.6b", "--dry-run"]) == 0
+    assert "grid gpt-9.6b (gpt-9.6b): model gpt-9.6b (30 layers" in capsys.readouterr().out
+    assert list(elsewhere.iterdir()) == []  # --dry-run wrote nothing
+
+
+@pytest.mark.parametrize("argv, kind", [
+    (["plan", "--model", "gpt-9b", "--gpus", "8", "--gpu-memory", "80"], "models"),
+    (["plan", "--model", "small", "--gpus", "8", "--gpu-memory", "80", "--profile", "gpu-small"],
+     "profiles"),
+    (["grid", "gpt-9b", "--dry-run"], "grid"),
+    (["paper", "gpt-9b", "-o", "unused.md"], "grid"),
+])
+def test_an_unknown_name_lists_the_bundled_ones(argv, kind, elsewhere, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not exist: neither a file nor a bundled name" in err
+    assert f"bundled {kind}: {', '.join(config_names(kind))}" in err
+    assert not (elsewhere / "unused.md").exists()
+
+
+def test_an_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="valid choices: models, grid, profiles"):
+        find_config("model", "tiny")
