@@ -85,12 +85,13 @@ def main() -> None:
     def v_forward_step(data_iterator, model):
         args = get_args()
         batch = vlm.VBatch(args.seq_length, args.micro_batch_size,
-                           args.create_attention_mask_in_dataloader)
+                           args.create_attention_mask_in_dataloader, packed=args.sft)
         return vlm.VForwardStep(batch, pretrain_gpt.loss_func, get_timers())(data_iterator, model)
 
     def datasets(train_val_test_num_samples, vp_stage=None):
-        if _schedule() in vlm.V_SCHEDULES:  # only pipeline rank 0 reads data under a V
-            pretrain_gpt.is_dataset_built_on_rank = lambda vp_stage=None: vlm.is_v_dataset_rank()
+        if _schedule() in vlm.V_SCHEDULES:  # pipeline rank 0 reads data under a V (--sft: all)
+            pretrain_gpt.is_dataset_built_on_rank = \
+                lambda vp_stage=None, **_: vlm.is_v_dataset_rank(packed=get_args().sft)
         return pretrain_gpt.train_valid_test_datasets_provider(train_val_test_num_samples,
                                                                vp_stage=vp_stage)
 

@@ -1,0 +1,126 @@
+"""``--sft`` (packed sequences) under a V, in Megatron-LM's own training loop (core_v0.16.1).
+
+A pack holds several documents; megatron's attention keeps them apart only when the model gets
+``packed_seq_params`` (the documents' offsets, ``cu_seqlens``). Under a V every pipeline rank
+holds middle stages, so every rank needs the offsets of every microbatch: the V's batch reads
+them on every pipeline rank (megatron_lm.VBatch, ``packed``), where before it passed none and
+the documents of a pack attended to each other, silently.
+
+The runs are scripts/pretrain_gpt_vshape.py under support/sft_run.py, which stands in what a
+CPU lacks (module doc there): packed ("thd") attention computed as Transformer Engine's is
+(causal within each document), and SFTDataset's packing over made-up conversations. With
+``VSHAPE_SFT_STRICT=1`` any attention call in training without packed_seq_params fails the
+run, so a run that completes proves every stage on every rank got them; equal losses to 1f1b
+prove they were those of the right microbatch (each pack has its own documents).
+
+What this does not prove: TE's own fused thd kernels (GPU), which the stand-in replaces.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from support.megatron_lm_launch import MEGATRON_LM, Launcher  # noqa: E402
+from support.megatron_lm_probe import read_records  # noqa: E402
+
+if not (MEGATRON_LM / "megatron" / "training").is_dir():
+    pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
+                allow_module_level=True)
+
+RUNNER = Path(__file__).parent / "support" / "sft_run.py"
+REL = 1e-5
+"""fp32, the same arithmetic per microbatch; only the order of gradient accumulation across
+microbatches may differ (a few ulps), as in tests/test_megatron_lm_e2e.py."""
+ITERS = 4
+
+SFT_GPT = (
+    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 8 "
+    "--lr 1e-3 --min-lr 1e-4 --seed 1234 --attention-dropout 0 --hidden-dropout 0 "
+    "--sft --mock-data --no-create-attention-mask-in-dataloader "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 "
+    "--transformer-impl local --no-gradient-accumulation-fusion --use-cpu-initialization "
+    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
+    "--no-bias-dropout-fusion --distributed-backend gloo --log-interval 1 "
+    "--eval-interval 2 --eval-iters 1 --num-workers 0 "
+    "--pipeline-model-parallel-size 2").split()
+"""tests/test_megatron_lm_e2e.py's tiny GPT with --sft: one pack per microbatch (megatron
+packs into --micro-batch-size 1), no attention mask from the data loader (SFTDataset makes
+none), PP 2 x DP 2. Megatron-LM core_v0.16.1's own get_batch gives packed_seq_params to its
+first and last pipeline stages only, so its 1f1b is the reference at PP 2, where every stage
+is one of those."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    launcher = Launcher()
+    root = tmp_path_factory.mktemp("megatron-lm-sft")
+    done = {}
+
+    def run(name: str, flags: list):
+        if name not in done:
+            folder = root / name
+            shutil.rmtree(folder, ignore_errors=True)
+            result = launcher.run(RUNNER, SFT_GPT + flags, 4, folder / "logs",
+                                  env={"VSHAPE_E2E_RECORD": str(folder), "VSHAPE_SFT_STRICT": "1"})
+            assert result.ok, f"run {name!r} failed:\n{result.failure()}"
+            done[name] = read_records(folder, 3), result
+        return done[name]
+
+    run.root = root
+    yield run
+    launcher.close()
+
+
+def _trained(runs, schedule: str):
+    start = runs.root / "init" / "checkpoint"
+    runs("init", ["--pipeline-schedule", "1f1b", "--train-iters", "1", "--save", str(start),
+                  "--save-interval", "1"])
+    return runs(schedule, ["--pipeline-schedule", schedule, "--load", str(start), "--finetune",
+                           "--train-iters", str(ITERS)])
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@pytest.mark.parametrize("schedule", ["v-half"])
+def test_packed_sequences_train_like_1f1b(runs, schedule):
+    """Every attention call on every rank got the pack's offsets (strict mode: the runs
+    completed), and the V trains with 1f1b's lm loss, grad norm and validation loss."""
+    want, _ = _trained(runs, "1f1b")
+    got, result = _trained(runs, schedule)
+    assert got.iterations() == want.iterations() == list(range(1, ITERS + 1))
+    assert all(event["skipped"] == 0 for event in got.train)
+    assert got.eval_losses() and [e[:2] for e in got.eval_losses()] == \
+        [e[:2] for e in want.eval_losses()]
+    report = {"loss": max(map(_rel, got.losses(), want.losses())),
+              "grad_norm": max(map(_rel, got.grad_norms(), want.grad_norms())),
+              "valid": max(_rel(a[2], b[2]) for a, b in zip(got.eval_losses(),
+                                                            want.eval_losses())),
+              "seconds": round(result.seconds, 1)}
+    print(schedule, report)
+    assert max(report["loss"], report["grad_norm"], report["valid"]) <= REL, report
+    assert all(math.isfinite(x) for x in got.losses())
+
+
+def test_packed_seq_params_are_megatrons_thd_of_one_pack():
+    """The data loader stacks a pack's offsets as [1, n]; the model gets them 1-D, with the
+    longest document, and the padded offsets where the data has them."""
+    from megatron_vshape.megatron.megatron_lm import packed_seq_params
+
+    offsets = torch.tensor([[0, 6, 11, 16]], dtype=torch.int32)
+    params = packed_seq_params(offsets, torch.tensor([6]), seq_length=16)
+    assert params.qkv_format == "thd" and params.max_seqlen_q == params.max_seqlen_kv == 6
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 6, 11, 16]
+    assert params.cu_seqlens_q_padded is None
+    padded = packed_seq_params(offsets, torch.tensor(6), torch.tensor([[0, 8, 12, 16]]))
+    assert padded.cu_seqlens_q.tolist() == padded.cu_seqlens_q_padded.tolist() == [0, 8, 12, 16]
+    with pytest.raises(ValueError, match="--micro-batch-size 1"):
+        packed_seq_params(torch.zeros(2, 4, dtype=torch.int32), torch.tensor([4, 4]))
