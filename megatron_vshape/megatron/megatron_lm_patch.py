@@ -1,14 +1,19 @@
-"""What the plugin changes inside Megatron-LM (tag core_v0.16.1), from outside.
+"""What the plugin changes inside Megatron-LM's training code, from outside.
 
+Two training loops are supported (:data:`SUPPORTED`): Megatron-LM tag core_v0.16.1 with
+megatron-core 0.16, and the 0.19-era training code (Megatron-LM main at 54045a5) with
+megatron-core 0.19.2. Each change below is found by the name it replaces, not by a version.
 :func:`patch_megatron_lm` makes the changes that pretrain()'s arguments cannot express (the
 only code here that imports ``megatron.training``; the script calls it before pretrain())::
 
-    initialize.validate_args
+    validate_args (where it is called from: core_v0.16.1's initialize, 0.19's arguments)
               our checks first (clear errors naming flags), then Megatron-LM's with the V's
               uneven layer count hidden from its "num_layers % PP" check; then two chunks per
               rank (virtual_pipeline_model_parallel_size = 2), and align_param_gather as the
               user set it (Megatron-LM clears it for what it takes for a one-chunk schedule,
-              so --overlap-param-gather would lose its param_sync_func per chunk)
+              so --overlap-param-gather would lose its param_sync_func per chunk); then
+              installs the schedule and checks that train() and evaluate() will call it
+              (:func:`check_schedule_binding`)
     training.DistributedDataParallelConfig
               delay_wgrad_compute=True, so DDP's hooks wait for W (the model's own
               TransformerConfig must not get it: megatron allows it for MoE only)
@@ -27,23 +32,36 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import logging
+import sys
 
 from .checkpoints import checked_load_checkpoint
-from .install import OURS
+from .install import OURS, VShapeConfig, _Wrapper
 from .megatron_lm import V_SCHEDULES, check_arguments, vshape_config
 
-__all__ = ["patch_megatron_lm", "v_activation_ratio"]
+__all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED"]
 
 log = logging.getLogger(__name__)
+
+SUPPORTED = ("Megatron-LM tag core_v0.16.1 with megatron-core 0.16.x, or Megatron-LM's "
+             "0.19-era training code (main at 54045a510b80) with megatron-core 0.19.2")
+"""The training loops this plugin is tested in (tests/test_megatron_lm_e2e.py, _019.py)."""
+
+_VALIDATE_ARGS_CALLERS = ("megatron.training.initialize", "megatron.training.arguments")
+"""Modules whose code calls ``validate_args`` by its module-global name: core_v0.16.1's
+initialize_megatron (initialize.py:92) and 0.19's parse_and_validate_args (arguments.py:107)."""
+
+_SCHEDULE_CALLERS = ("train", "evaluate")
+"""megatron.training.training's functions that pick the schedule by calling
+``get_forward_backward_func`` (core_v0.16.1 training.py:2607/3070, 0.19 :3614/:4198)."""
 
 
 def patch_megatron_lm() -> None:
     """Make Megatron-LM's pretrain() run the plugin's schedules (idempotent; module doc)."""
-    from megatron.training import initialize, training
+    from megatron.training import training
 
-    if getattr(initialize.validate_args, "vshape_original", None) is None:
-        initialize.validate_args = _validating(initialize.validate_args)
+    _wrap_validate_args()
     if not getattr(training.DistributedDataParallelConfig, "vshape_delayed", False):
         training.DistributedDataParallelConfig = _delayed_wgrad_ddp_config(
             training.DistributedDataParallelConfig)
@@ -51,6 +69,69 @@ def patch_megatron_lm() -> None:
     if hasattr(training, "report_theoretical_memory"):
         training.report_theoretical_memory = _v_theoretical_memory(
             training.report_theoretical_memory)
+
+
+def _wrap_validate_args() -> None:
+    """One wrapper of Megatron-LM's validate_args, bound in every module that calls it."""
+    import importlib
+
+    modules = [importlib.import_module(name) for name in _VALIDATE_ARGS_CALLERS]
+    bound = [m for m in modules if hasattr(m, "validate_args")]
+    if not bound:
+        raise ImportError(f"Megatron-LM's validate_args is in none of {_VALIDATE_ARGS_CALLERS}; "
+                          f"megatron-vshape supports {SUPPORTED}")
+    current = bound[0].validate_args
+    wrapper = current if getattr(current, "vshape_original", None) is not None else \
+        _validating(current)
+    for module in bound:
+        module.validate_args = wrapper
+
+
+def check_schedule_binding(config: VShapeConfig) -> None:
+    """Fail before training unless Megatron-LM's train() and evaluate() will get their
+    forward-backward function from the plugin's installed ``get_forward_backward_func``.
+
+    They look the name up among megatron.training.training's globals when they run; a
+    Megatron-LM that binds it elsewhere (a local import, another name, a registry) would run
+    megatron's own schedule with the V's two-chunk model, and train wrong silently. 1f1b and
+    interleaved-1f1b are megatron's own either way: nothing to check.
+    """
+    if config.schedule not in OURS:
+        return
+    training = sys.modules.get("megatron.training.training")
+    if training is None:
+        raise RuntimeError("megatron.training.training is not imported: call "
+                           f"patch_megatron_lm() from a Megatron-LM script ({SUPPORTED})")
+    for name in _SCHEDULE_CALLERS:
+        problem = _binding_problem(getattr(training, name, None), config)
+        if problem is not None:
+            raise RuntimeError(
+                f"--pipeline-schedule {config.schedule}: Megatron-LM's "
+                f"megatron.training.training.{name} {problem}, so it would not run the plugin's "
+                f"schedule. megatron-vshape supports {SUPPORTED}; use one of those, or "
+                "--pipeline-schedule 1f1b")
+    log.info("[vshape] Megatron-LM's %s get their schedule from the plugin's "
+             "get_forward_backward_func", " and ".join(f"{n}()" for n in _SCHEDULE_CALLERS))
+
+
+def _binding_problem(function, config: VShapeConfig) -> str | None:
+    """What keeps ``function`` from calling the installed wrapper of ``config``; None if
+    nothing does."""
+    if function is None:
+        return "does not exist"
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None or "get_forward_backward_func" not in code.co_names:
+        return "does not call get_forward_backward_func"
+    if "get_forward_backward_func" in code.co_varnames:
+        return "imports get_forward_backward_func itself (a local binding)"
+    found = inspect.unwrap(function).__globals__.get("get_forward_backward_func")
+    if not isinstance(found, _Wrapper):
+        return (f"resolves get_forward_backward_func to {getattr(found, '__module__', '?')}."
+                f"{getattr(found, '__qualname__', repr(found))}, not the plugin's wrapper")
+    if found.config is not config:
+        return (f"resolves get_forward_backward_func to a wrapper of schedule "
+                f"{found.config.schedule!r}, not the one installed ({config.schedule!r})")
+    return None
 
 
 def _validating(original):
@@ -78,7 +159,8 @@ def _validating(original):
                          args.pipeline_schedule, align)
         import megatron_vshape
 
-        megatron_vshape.install(vshape_config(args))
+        config = megatron_vshape.install(vshape_config(args))
+        check_schedule_binding(config)
         log.info("[vshape] pipeline schedule %s installed", args.pipeline_schedule)
         return result
     validate_args.vshape_original = original

@@ -1,0 +1,95 @@
+"""The start-up check that Megatron-LM's loop will call the plugin's schedule
+(megatron_lm_patch.check_schedule_binding), against stand-ins of megatron.training.training.
+
+The real training code passes it in both real-loop tiers (tests/test_megatron_lm_e2e.py,
+tests/test_megatron_lm_019.py, which look for its log line); here each way the binding can be
+wrong is made on purpose, and the check must stop with what it found and what is supported.
+No megatron import is needed.
+"""
+import sys
+import types
+
+import pytest
+
+from megatron_vshape.megatron.install import VShapeConfig, _Wrapper
+from megatron_vshape.megatron.megatron_lm_patch import SUPPORTED, check_schedule_binding
+
+_LOOP = '''
+def train():
+    return get_forward_backward_func()
+
+
+def evaluate():
+    return get_forward_backward_func(schedule_pg_collection=None)
+'''
+"""train() and evaluate() as Megatron-LM writes them: the module-global name, called."""
+
+
+def megatrons_own(*args, **kwargs):
+    """Stands in for megatron-core's get_forward_backward_func."""
+    return "megatron's own schedule"
+
+
+def _training(monkeypatch, source: str = _LOOP, binding=None):
+    """A stand-in megatron.training.training built from ``source``, with ``binding`` as its
+    get_forward_backward_func, in sys.modules for the duration of the test."""
+    module = types.ModuleType("megatron.training.training")
+    exec(compile(source, "<stand-in training.py>", "exec"), module.__dict__)
+    module.get_forward_backward_func = binding
+    monkeypatch.setitem(sys.modules, "megatron.training.training", module)
+    return module
+
+
+def test_the_installed_wrapper_passes(monkeypatch, caplog):
+    config = VShapeConfig(schedule="v-half")
+    _training(monkeypatch, binding=_Wrapper(megatrons_own, config))
+    with caplog.at_level("INFO", logger="megatron_vshape"):
+        check_schedule_binding(config)
+    assert "train() and evaluate() get their schedule from the plugin's" in caplog.text
+
+
+def test_megatrons_own_function_is_refused_naming_it_and_the_supported_versions(monkeypatch):
+    _training(monkeypatch, binding=megatrons_own)
+    with pytest.raises(RuntimeError) as error:
+        check_schedule_binding(VShapeConfig(schedule="v-half"))
+    message = str(error.value)
+    assert "--pipeline-schedule v-half" in message
+    assert "megatron.training.training.train resolves get_forward_backward_func to" in message
+    assert f"{__name__}.megatrons_own, not the plugin's wrapper" in message
+    assert SUPPORTED in message and "core_v0.16.1" in message and "0.19.2" in message
+
+
+def test_a_wrapper_of_another_configuration_is_refused(monkeypatch):
+    _training(monkeypatch, binding=_Wrapper(megatrons_own, VShapeConfig(schedule="v-zb")))
+    with pytest.raises(RuntimeError, match="a wrapper of schedule 'v-zb', not the one installed "
+                                           r"\('v-half'\)"):
+        check_schedule_binding(VShapeConfig(schedule="v-half"))
+
+
+def test_a_local_import_is_refused(monkeypatch):
+    """A Megatron-LM whose evaluate() imports the function itself bypasses the module global
+    the plugin replaces, even when that global is the plugin's wrapper."""
+    source = _LOOP.replace("def evaluate():\n", "def evaluate():\n    from megatron.core."
+                           "pipeline_parallel import get_forward_backward_func\n")
+    config = VShapeConfig(schedule="zb-1p")
+    _training(monkeypatch, source, binding=_Wrapper(megatrons_own, config))
+    with pytest.raises(RuntimeError, match=r"training\.evaluate imports "
+                                           "get_forward_backward_func itself"):
+        check_schedule_binding(config)
+
+
+def test_a_loop_that_never_asks_is_refused(monkeypatch):
+    source = _LOOP.replace("return get_forward_backward_func()", "return None")
+    config = VShapeConfig(schedule="auto")
+    _training(monkeypatch, source, binding=_Wrapper(megatrons_own, config))
+    with pytest.raises(RuntimeError, match=r"training\.train does not call "
+                                           "get_forward_backward_func"):
+        check_schedule_binding(config)
+
+
+def test_megatrons_own_schedules_need_no_check(monkeypatch, caplog):
+    """1f1b runs megatron's own schedule whatever the binding: nothing to refuse."""
+    _training(monkeypatch, binding=megatrons_own)
+    with caplog.at_level("INFO", logger="megatron_vshape"):
+        check_schedule_binding(VShapeConfig(schedule="1f1b"))
+    assert "get their schedule from the plugin's" not in caplog.text
