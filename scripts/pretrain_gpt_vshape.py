@@ -79,7 +79,10 @@ def main() -> None:
         return v_chunks()(*args, **kwargs)
 
     def standard_provider(*args, **kwargs):
-        build = vlm.deferred_standard_provider(base) if _schedule() == "zb-1p" else base
+        build = vlm.deferred_standard_provider(  # TE layers: TE's own W split, as for a V
+            base, lambda: core_transformer_config_from_args(get_args()),
+            te_delay_wgrad=get_args().transformer_impl == "transformer_engine") \
+            if _schedule() == "zb-1p" else base
         return build(*args, **kwargs)
 
     def v_forward_step(data_iterator, model):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -23,8 +24,11 @@ from ..schedule.registry import SCHEDULES, VARIANTS
 from .forward_backward import replans
 from .install import VShapeConfig
 
+log = logging.getLogger(__name__)
+
 __all__ = ["V_SCHEDULES", "add_arguments", "check_arguments", "vshape_config", "VChunkProvider",
-           "VBatch", "VForwardStep", "is_v_dataset_rank", "packed_seq_params"]
+           "VBatch", "VForwardStep", "is_v_dataset_rank", "packed_seq_params",
+           "deferred_standard_provider", "check_weight_grads_split"]
 
 V_SCHEDULES = ("v-min", "v-half", "v-zb", "auto")
 """Schedules that place two chunks per rank on the V."""
@@ -186,6 +190,8 @@ class VChunkProvider:
             self._chunk0 = chunk
         else:
             finish_v_chunks(self._chunk0, chunk, ddp_delay_wgrad=True)
+            for built in (self._chunk0, chunk):
+                check_weight_grads_split(built, "v-min/v-half/v-zb/auto")
             self._chunk0 = None
         return chunk
 
@@ -194,16 +200,68 @@ class VChunkProvider:
                          config=config, pg_collection=pg_collection)
 
 
-def deferred_standard_provider(base: Callable) -> Callable:
-    """zb-1p: megatron's own placement, weight gradients deferred to W."""
+def deferred_standard_provider(base: Callable, config_factory: Callable | None = None,
+                               te_delay_wgrad: bool = False) -> Callable:
+    """zb-1p: megatron's own placement, weight gradients deferred to W, by the same two
+    mechanisms as V chunks: the local spec's parallel linears by our B/W split (wgrad.py),
+    Transformer Engine's linears by TE's own (``te_delay_wgrad``: the model is built with
+    delay_wgrad_compute on a copy of its config, and W calls their ``backward_dw``).
+    ``config_factory()`` gives the TransformerConfig when get_model passes none."""
     from ..runtime.wgrad import WeightGradStore
-    from .wgrad import defer_weight_grads
+    from .wgrad import defer_weight_grads, with_te_delay_wgrad
 
     def provider(*args, **kwargs):
+        if te_delay_wgrad:
+            config = kwargs.get("config") or config_factory()
+            kwargs = dict(kwargs, config=with_te_delay_wgrad(config))
         model = base(*args, **kwargs)
         defer_weight_grads(model, WeightGradStore(), mark_for_ddp=True)
+        check_weight_grads_split(model, "zb-1p")
         return model
     return provider
+
+
+def check_weight_grads_split(chunk, schedule: str) -> None:
+    """Refuse a model chunk whose W passes would do nothing (no layer splits its weight
+    gradient off B: the schedule would run with 1F1B's bubble, silently), and warn about
+    weights whose gradients stay in B (layer types neither split covers)."""
+    from .wgrad import te_wgrad_modules
+
+    te = te_wgrad_modules(chunk)
+    split = sum(bool(getattr(p, "skip_backward_post_hook", False)) for p in chunk.parameters())
+    if not split and not te:
+        raise ValueError(
+            f"--pipeline-schedule {schedule} computes weight gradients in W passes, but no layer "
+            "of this model splits them off B (the split covers megatron's Column/RowParallel"
+            "Linear of --transformer-impl local, and Transformer Engine linears built with "
+            "delay_wgrad_compute): use megatron's GPT layer specs with --transformer-impl "
+            "local or transformer_engine, or --pipeline-schedule 1f1b")
+    kept = _weights_kept_in_b(chunk, te)
+    if kept:
+        log.warning("[vshape] %s: these layers compute their weight gradients in B, not W "
+                    "(neither the local split nor TE's covers them): %s", schedule,
+                    ", ".join(sorted(kept)))
+
+
+_IN_B_BY_DESIGN = ("Embedding",)
+"""Layer types whose weight gradients stay in B on purpose (embeddings: a sparse, cheap
+gradient); the LM head (``output_layer``) too (wgrad.defer_weight_grads says why)."""
+
+
+def _weights_kept_in_b(chunk, te_modules) -> set:
+    """Type names of the chunk's layers with matrix weights that neither split defers."""
+    head = getattr(chunk, "output_layer", None)
+    covered = {id(m) for m in te_modules}
+    kept = set()
+    for module in chunk.modules():
+        if module is head or id(module) in covered or \
+                any(name in type(module).__name__ for name in _IN_B_BY_DESIGN):
+            continue
+        if any(p.dim() >= 2 and p.requires_grad and not getattr(p, "skip_backward_post_hook",
+                                                                  False)
+               for p in module.parameters(recurse=False)):
+            kept.add(type(module).__name__)
+    return kept
 
 
 # -- data ----------------------------------------------------------------------------------------
