@@ -1,4 +1,5 @@
-"""Megatron-LM's pretrain_gpt (tag core_v0.16.1) with the megatron-vshape schedules.
+"""Megatron-LM's pretrain_gpt with the megatron-vshape schedules (Megatron-LM tag core_v0.16.1
+with megatron-core 0.16, or the 0.19-era training code with megatron-core 0.19.2).
 
     torchrun --nproc-per-node 8 scripts/pretrain_gpt_vshape.py <pretrain_gpt flags> \\
         --pipeline-schedule v-half [--pipeline-memory-limit 0.5] [--pipeline-replan-after 3]
@@ -10,11 +11,20 @@ added flags are megatron_vshape.megatron.megatron_lm.add_arguments's. For V sche
 embedding and LM head, reads tokens and labels); 1f1b, interleaved-1f1b and zb-1p keep
 pretrain_gpt's own. Losses are logged as usual (relayed to the last pipeline rank). No patch of
 Megatron-LM is needed (see patches/README.md).
+
+The two training loops differ in who parses the flags: core_v0.16.1's ``pretrain()`` parses
+them itself (``extra_args_provider``, ``args_defaults``); the 0.19-era one takes a config
+container built from flags the script has parsed (``parse_and_validate_args``). ``_pretrain``
+is the one place that tells them apart, by ``pretrain()``'s signature. Under both, the model
+is built by the model provider through Megatron-LM's ``get_model`` (0.19's container holds no
+ModelConfig, so its builder path, which cannot place a V, stays unused).
 """
 import functools
+import inspect
 import logging
 import os
 import sys
+import warnings
 from functools import partial
 
 
@@ -60,8 +70,9 @@ def main() -> None:
         from megatron.training.arguments import core_transformer_config_from_args
         from model_provider import model_provider
     except ImportError as err:
-        raise SystemExit(f"pretrain_gpt_vshape.py needs Megatron-LM (tag core_v0.16.1) on "
-                         f"PYTHONPATH: export PYTHONPATH=$MEGATRON_LM:$PYTHONPATH ({err})")
+        raise SystemExit(f"pretrain_gpt_vshape.py needs Megatron-LM's training code (tag "
+                         f"core_v0.16.1, or the megatron-core 0.19 era) on PYTHONPATH: export "
+                         f"PYTHONPATH=$MEGATRON_LM:$PYTHONPATH ({err})")
     from megatron_vshape.megatron import megatron_lm as vlm
     from megatron_vshape.megatron.megatron_lm_patch import patch_megatron_lm
     from megatron_vshape.megatron.model import v_embedding_ranks
@@ -105,10 +116,34 @@ def main() -> None:
             return v_embedding_ranks(pp_ranks)
         return pretrain_gpt.get_embedding_ranks(pp_ranks)
 
-    pretrain(datasets, _BySchedule(v_provider, standard_provider), ModelType.encoder_or_decoder,
-             _BySchedule(v_forward_step, pretrain_gpt.forward_step),
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-             extra_args_provider=vlm.add_arguments, get_embedding_ranks=embedding_ranks)
+    _pretrain(pretrain, datasets, _BySchedule(v_provider, standard_provider),
+              ModelType.encoder_or_decoder, _BySchedule(v_forward_step, pretrain_gpt.forward_step),
+              embedding_ranks)
+
+
+_ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+"""pretrain_gpt's own default."""
+
+
+def _pretrain(pretrain, datasets, provider, model_type, forward_step, embedding_ranks) -> None:
+    """Call Megatron-LM's pretrain() the way its version wants (module doc): the one branch
+    between the two training loops, on pretrain()'s own parameters."""
+    from megatron_vshape.megatron.megatron_lm import add_arguments
+
+    if "extra_args_provider" in inspect.signature(pretrain).parameters:  # core_v0.16.1
+        pretrain(datasets, provider, model_type, forward_step, args_defaults=_ARGS_DEFAULTS,
+                 extra_args_provider=add_arguments, get_embedding_ranks=embedding_ranks)
+        return
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=add_arguments,
+                                   args_defaults=_ARGS_DEFAULTS)
+    with warnings.catch_warnings():  # "use a ModelConfig": a V needs the model provider
+        warnings.filterwarnings("ignore", message=".*ModelConfig", category=UserWarning)
+        container = pretrain_cfg_container_from_args(args)
+    pretrain(container, datasets, model_type, forward_step, model_provider=provider,
+             get_embedding_ranks=embedding_ranks)
 
 
 if __name__ == "__main__":
