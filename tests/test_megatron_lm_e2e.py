@@ -8,87 +8,35 @@ would (one test checks a run under a real torchrun against it), support.megatron
 Megatron-LM's CUDA assumptions, support.megatron_lm_probe records every iteration's loss and
 grad norm and every validation loss at full precision.
 
-Megatron-LM seeds weight initialisation with seed + 100 x pipeline rank, and a V places layers
-on other ranks than 1F1B, so every comparison starts from one initial checkpoint (a 1F1B run of
-one iteration) loaded with --finetune: the same weights, a fresh optimizer, iteration 0.
-Each case compares a schedule with megatron's own 1f1b on the same flags: losses, grad norms
-and validation losses must agree to 1e-5 relative (fp32; most agree bit for bit).
+Every comparison starts from one initial checkpoint (support.megatron_lm_tier, shared with
+tests/test_megatron_lm_019.py, the tier for the 0.19-era training code). Each case compares a
+schedule with megatron's own 1f1b on the same flags: losses, grad norms and validation losses
+must agree to 1e-5 relative (fp32; most agree bit for bit).
 """
 from __future__ import annotations
 
-import math
-import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_lm_launch import MEGATRON_LM, REPO, Launcher, RunResult, megatron_lm_env  # noqa: E402
+from support.megatron_lm_launch import (  # noqa: E402
+    MEGATRON_LM, REPO, TAKES_CONFIG_CONTAINER, Launcher, RunResult, megatron_lm_env)
 from support.megatron_lm_cpu import TORCH_ADAMW  # noqa: E402
-from support.megatron_lm_probe import Records, read_records  # noqa: E402
+from support.megatron_lm_probe import read_records  # noqa: E402
+from support.megatron_lm_tier import (  # noqa: E402
+    ITERS, PP4, SCRIPT, TINY_GPT, Run, Runs, assert_same_training, initial_checkpoint, resumed,
+    schedule_flags, trained)
 
 if not (MEGATRON_LM / "megatron" / "training").is_dir():
     pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
                 allow_module_level=True)
-
-SCRIPT = REPO / "scripts" / "pretrain_gpt_vshape.py"
-REL = 1e-5
-"""fp32: the schedules run the same arithmetic per microbatch; only the order of gradient
-accumulation across microbatches may differ (a few ulps over 8 microbatches)."""
-ITERS = 4
-
-TINY_GPT = (
-    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 16 "
-    "--lr 1e-3 --min-lr 1e-4 --seed 1234 --attention-dropout 0 --hidden-dropout 0 "
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 "
-    "--transformer-impl local --no-gradient-accumulation-fusion --use-cpu-initialization "
-    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
-    "--no-bias-dropout-fusion --distributed-backend gloo --log-interval 1 "
-    "--eval-interval 2 --eval-iters 1 --num-workers 0 --log-throughput").split()
-"""A tiny GPT Megatron-LM trains in seconds on CPU; dropout off (its random streams follow
-each rank's pass order, which is what differs between schedules)."""
-
-
-@dataclass(frozen=True)
-class Run:
-    result: RunResult
-    records: Records
-    folder: Path
-
-    def log(self, rank: int = 0) -> str:
-        return self.result.log(rank)
-
-
-class Runs:
-    """Runs by name, each launched once per session (cases share their 1f1b references)."""
-
-    def __init__(self, launcher: Launcher, root: Path):
-        self.launcher, self.root, self._done = launcher, root, {}
-
-    def get(self, name: str, flags: list, nproc: int = 4) -> Run:
-        if name not in self._done:
-            folder = self.root / name
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            result = self.launcher.run(SCRIPT, flags, nproc, folder / "logs",
-                                       env={"VSHAPE_E2E_RECORD": str(folder)})
-            assert result.ok, f"run {name!r} failed:\n{result.failure()}"
-            self._done[name] = Run(result, read_records(folder, nproc - 1), folder)
-        return self._done[name]
-
-    def attempt(self, name: str, flags: list, nproc: int = 4, env=None) -> RunResult:
-        """A run expected to fail: its result, whatever it is (not cached)."""
-        folder = self.root / name
-        shutil.rmtree(folder, ignore_errors=True)
-        return self.launcher.run(SCRIPT, flags, nproc, folder / "logs", env=env)
-
-    def path(self, name: str) -> Path:
-        return self.root / name
+if TAKES_CONFIG_CONTAINER:
+    pytest.skip(f"{MEGATRON_LM} holds the 0.19-era training code: tests/test_megatron_lm_019.py "
+                "is its tier", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -96,67 +44,6 @@ def runs(tmp_path_factory):
     launcher = Launcher()
     yield Runs(launcher, tmp_path_factory.mktemp("megatron-lm"))
     launcher.close()
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
-def assert_same_training(run: Run, reference: Run, label: str, first: int = 1) -> dict:
-    """Iterations ``first``..ITERS of ``run`` have the lm loss and grad norm of the same
-    iterations of ``reference``, and its validation losses from there on too (REL)."""
-    got, want = run.records, reference.records.since(first)
-    assert got.iterations() == want.iterations() == list(range(first, ITERS + 1)), \
-        f"{label}: iterations {got.iterations()} vs {want.iterations()}"
-    assert all(event["skipped"] == 0 for event in got.train)
-    loss = max(_rel(a, b) for a, b in zip(got.losses(), want.losses()))
-    norm = max(_rel(a, b) for a, b in zip(got.grad_norms(), want.grad_norms()))
-    assert [e[:2] for e in got.eval_losses()] == [e[:2] for e in want.eval_losses()]
-    assert got.eval_losses(), f"{label}: no validation loss was recorded"
-    valid = max(_rel(a[2], b[2]) for a, b in zip(got.eval_losses(), want.eval_losses()))
-    report = {"case": label, "iterations": len(got.train), "loss": loss, "grad_norm": norm,
-              "valid": valid, "seconds": round(run.result.seconds, 1)}
-    print(report)
-    assert loss <= REL and norm <= REL and valid <= REL, report
-    assert all(math.isfinite(x) for x in got.losses() + got.grad_norms())
-    return report
-
-
-PP4 = ["--pipeline-model-parallel-size", "4"]
-
-
-def _schedule_flags(schedule: str) -> list:
-    flags = ["--pipeline-schedule", schedule]
-    if schedule == "auto":  # re-planned inside the loop from the first iteration's costs
-        flags += ["--pipeline-memory-limit", "0.75", "--pipeline-replan-after", "1"]
-    return flags
-
-
-def initial_checkpoint(runs: Runs, key: str, model: list, nproc: int = 4) -> list:
-    """Flags that start a run from the weights of a one-iteration 1f1b run of ``model``."""
-    folder = runs.path(f"init-{key}") / "checkpoint"
-    runs.get(f"init-{key}", TINY_GPT + model + ["--pipeline-schedule", "1f1b", "--train-iters",
-                                                 "1", "--save", str(folder), "--save-interval",
-                                                 "1"], nproc)
-    return ["--load", str(folder), "--finetune"]
-
-
-def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4) -> Run:
-    """``schedule`` trains ITERS iterations of ``model`` from its initial checkpoint."""
-    start = initial_checkpoint(runs, key, model, nproc)
-    save = ["--save", str(runs.path(f"{key}-{schedule}") / "checkpoint"), "--save-interval", "2"]
-    return runs.get(f"{key}-{schedule}", TINY_GPT + model + start + _schedule_flags(schedule) +
-                    save + ["--train-iters", str(ITERS), *extra], nproc)
-
-
-def resumed(runs: Runs, key: str, model: list, saved_by: str, schedule: str,
-            nproc: int = 4) -> Run:
-    """``schedule`` resumes at iteration 2 from the checkpoint ``saved_by``'s run wrote."""
-    trained(runs, key, model, saved_by, nproc=nproc)
-    folder = runs.path(f"{key}-{saved_by}") / "checkpoint"
-    return runs.get(f"{key}-{saved_by}-to-{schedule}", TINY_GPT + model + _schedule_flags(schedule)
-                    + ["--load", str(folder), "--ckpt-step", "2", "--train-iters", str(ITERS)],
-                    nproc)
 
 
 @pytest.mark.parametrize("schedule", ["zb-1p", "v-min", "v-half", "v-zb", "auto"])
@@ -248,7 +135,7 @@ def _dp_reshardable_resume(runs, name: str, schedule: str, env=None) -> RunResul
     runs.get(f"{key}-dp-reshardable", TINY_GPT + model + initial_checkpoint(runs, key, model) + [
         "--train-iters", str(ITERS), "--save", str(folder), "--save-interval", "2",
         "--dist-ckpt-optim-dp-reshardable"])
-    return runs.attempt(name, TINY_GPT + model + _schedule_flags(schedule) + [
+    return runs.attempt(name, TINY_GPT + model + schedule_flags(schedule) + [
         "--load", str(folder), "--ckpt-step", "2", "--train-iters", str(ITERS)], env=env)
 
 
@@ -296,8 +183,11 @@ def test_auto_replans_inside_the_loop_from_measured_costs(runs):
 
 def test_v_runs_report_their_own_memory_and_keep_aligned_param_gather(runs):
     """Megatron-LM's theoretical memory line shows the V's activations (not the interleaved
-    schedule's penalty), and --overlap-param-gather keeps its aligned param_sync_func."""
+    schedule's penalty), and --overlap-param-gather keeps its aligned param_sync_func; the
+    start-up check found train() and evaluate() calling the plugin's schedule."""
     log = trained(runs, "pp4", PP4, "v-half").log(0)
+    assert ("[vshape] Megatron-LM's train() and evaluate() get their schedule from the plugin's "
+            "get_forward_backward_func") in log
     assert "(v-half: activations 0.75 x 1F1B's)" in log
     assert "Memory penalty from interleaved schedule" not in log
     distopt = trained(runs, "pp2dp2-distopt", VARIANTS["pp2dp2-distopt"][0], "v-half").log(0)
@@ -375,7 +265,7 @@ def test_a_run_under_torchrun_equals_the_launchers(runs, tmp_path):
     env = megatron_lm_env([Path(__file__).parent / "support" / "mlm_site"])
     env["VSHAPE_E2E_RECORD"] = str(tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "4", str(SCRIPT), *TINY_GPT, *PP4, *init, *_schedule_flags("v-half"),
+               "4", str(SCRIPT), *TINY_GPT, *PP4, *init, *schedule_flags("v-half"),
                "--train-iters", str(ITERS)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)

@@ -1,9 +1,11 @@
-"""CPU patches of Megatron-LM core_v0.16.1's training code, for the real-loop test tier only.
+"""CPU patches of Megatron-LM's training code, for the real-loop test tiers only.
 
-``tests/test_megatron_lm_e2e.py`` runs ``scripts/pretrain_gpt_vshape.py`` -- Megatron-LM's own
-``pretrain()`` loop -- on gloo processes without a GPU. Megatron-LM assumes CUDA in about a dozen
-places; each patch below names the line (../shared/megatron-lm, tag core_v0.16.1; ``core/`` is
-the pip megatron-core 0.16.1) and what it changes. None changes what is computed: they move
+``tests/test_megatron_lm_e2e.py`` (tag core_v0.16.1) and ``tests/test_megatron_lm_019.py`` (the
+0.19-era code) run ``scripts/pretrain_gpt_vshape.py`` -- Megatron-LM's own ``pretrain()`` loop
+-- on gloo processes without a GPU. Megatron-LM assumes CUDA in about a dozen places; each
+patch below names the line (../shared/megatron-lm, tag core_v0.16.1, with ``core/`` the pip
+megatron-core 0.16.1; "0.19:" ../shared/megatron-lm-0.19 with megatron-core 0.19.2) and what
+it changes. The same patches serve both: each is applied by the name it replaces. None changes what is computed: they move
 device bookkeeping to the CPU, skip GPU-only compilation, and keep RNG state objects that the
 CPU has no equivalent of. The megatron-core shims the CPU tests and the demo share live in
 ``megatron_vshape/megatron/cpu.py`` and are applied first.
@@ -68,7 +70,7 @@ def _cuda_type_names(original):
 
 
 def _forked_results_queue(module):
-    def get_write_results_queue():
+    def get_write_results_queue(*args, **kwargs):
         import multiprocessing
 
         if module._results_queue is None:
@@ -80,7 +82,9 @@ def _forked_results_queue(module):
 def _stand_in_batch_invariant_kernels() -> None:
     """initialize.py:25 imports core/transformer/custom_layers/batch_invariant_kernels.py, which
     imports triton (GPU only, absent from CPU torch). A stand-in module takes its place; a fake
-    ``triton`` would stay importable and mislead torch's inductor, which probes for it."""
+    ``triton`` would stay importable and mislead torch's inductor, which probes for it (0.19:
+    initialize.py:26 imports it too; megatron-core 0.19 needs the triton stand-in anyway,
+    :func:`_let_megatron_import`, and this module still takes the kernels' place)."""
     name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
     def refuse(*args, **kwargs):
@@ -95,26 +99,30 @@ def _stand_in_batch_invariant_kernels() -> None:
 
 def _patch_torch() -> None:
     """CUDA calls of Megatron-LM and megatron-core that have a CPU meaning."""
-    # training.py:1258 get_model moves each chunk with Module.cuda(current_device()).
+    # training.py:1258 get_model moves each chunk with Module.cuda(current_device()) (0.19:
+    # training.py:1818).
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
     # training.py:1325-1344 get_model builds DDP on a side stream (cuda.Stream, stream(),
-    # current_stream().wait_stream).
+    # current_stream().wait_stream) (0.19: training.py:1876-1896).
     torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
     torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     # core/rerun_state_machine.py:957 and checkpointing.py:343 save, checkpointing.py:1866/1878
-    # restore the CUDA RNG state: there is none; an empty state round-trips.
+    # restore the CUDA RNG state: there is none; an empty state round-trips (0.19:
+    # core/rerun_state_machine.py:979, checkpointing.py:417 save, :2665/:2677 restore).
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.zeros(0, dtype=torch.uint8)
     torch.cuda.set_rng_state = lambda *args, **kwargs: None
     # utils.py:284 report_memory (first logged iteration) and training.py:1940 read CUDA memory
-    # statistics: no device memory on the CPU.
+    # statistics: no device memory on the CPU (0.19: utils/common_utils.py:322,
+    # training.py:2742).
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
                  "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *args, **kwargs: 0)
     torch.cuda.memory_stats = lambda *args, **kwargs: {}
     # core/optimizer/clip_grads.py:167, core/optimizer/optimizer.py:671/690 and
     # core/optimizer/distrib_optimizer.py:361/420/582 compare Tensor.type() with
-    # 'torch.cuda.FloatTensor' / 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor'.
+    # 'torch.cuda.FloatTensor' / 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' (0.19.2:
+    # clip_grads.py:174, optimizer.py:1009/1028, distrib_optimizer.py:401/466).
     if not getattr(torch.Tensor.type, "vshape_cuda_names", False):
         torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
         torch.Tensor.type.vshape_cuda_names = True
@@ -124,7 +132,8 @@ def _patch_megatron_lm() -> None:
     from megatron.training import arguments, initialize, training
 
     # initialize.py:60 asserts torch.cuda.is_available() unless allow_no_cuda (pretrain, at
-    # training.py:136, imported initialize_megatron by name).
+    # training.py:136, imported initialize_megatron by name) (0.19: initialize.py:66, called
+    # at training.py:1091).
     original_initialize = initialize.initialize_megatron
 
     @functools.wraps(original_initialize)
@@ -135,26 +144,31 @@ def _patch_megatron_lm() -> None:
     initialize.initialize_megatron = training.initialize_megatron = initialize_megatron
     # initialize.py:319/350 initialize model parallelism only when torch.cuda.device_count() > 0
     # (then :331 set_device); initialize.py:422 seeds the model-parallel RNG tracker (which
-    # checkpoints save and checkpointing.py:1867 requires on resume) under the same condition.
+    # checkpoints save and checkpointing.py:1867 requires on resume) under the same condition
+    # (0.19: initialize.py:270/281/358, :447).
     initialize._initialize_distributed = _with_one_fake_device(initialize._initialize_distributed)
     initialize._set_random_seed = _with_one_fake_device(initialize._set_random_seed)
     # initialize.py:186 runs `make` for the dataset index helpers (the pip wheel ships them
-    # built) and :224 compiles fused CUDA kernels with nvcc.
-    initialize._compile_dependencies = lambda: None
+    # built) and :224 compiles fused CUDA kernels with nvcc (0.19: :155/:165).
+    initialize._compile_dependencies = lambda *args, **kwargs: None
     # initialize.py:460 warms up the GPU fusions (bias-GeLU, bias-dropout-add) with
     # torch.compile: on CPU that is an inductor C++ build per process, seconds each, for
-    # fusions the tiny test model does not use.
-    initialize._warmup_jit_function = lambda: None
+    # fusions the tiny test model does not use (0.19: :494 passes tp_size=).
+    initialize._warmup_jit_function = lambda *args, **kwargs: None
     # core/dist_checkpointing/strategies/filesystem_async.py:54 starts the checkpoint writer's
     # results-queue manager with the spawn method: a fresh interpreter per rank that imports
     # torch and megatron again (~10 s per rank and first save on 2 cores). Fork it from the rank,
-    # which has them imported (speed only; the same queue).
+    # which has them imported (speed only; the same queue). megatron-core 0.19 names it
+    # get_write_results_queue (filesystem_async.py:53, called at :200).
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._get_write_results_queue = _forked_results_queue(filesystem_async)
+        for name in ("_get_write_results_queue", "get_write_results_queue"):
+            if hasattr(filesystem_async, name):
+                setattr(filesystem_async, name, _forked_results_queue(filesystem_async))
     # arguments.py:928 reads the GPU architecture when TP > 1 (then asks for
-    # CUDA_DEVICE_MAX_CONNECTIONS=1, which the launcher sets): answer as a Hopper GPU.
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, which the launcher sets): answer as a Hopper GPU (0.19:
+    # arguments.py:1414/1444/1484 ask it for every run).
     arguments.get_device_arch_version = lambda: 9
 
 
@@ -222,10 +236,40 @@ def configure_run() -> None:
     use_fused_adam(not os.environ.get(TORCH_ADAMW))
 
 
+def _let_megatron_import() -> None:
+    """What the 0.19-era training code needs to import on Python 3.11 with CPU torch
+    (../shared/megatron-lm-0.19/README.md); nothing changes for core_v0.16.1.
+
+    - megatron-core >= 0.17 imports triton at module level (core/transformer/moe/ops/
+      paged_stash.py:9, core/fusions/fused_indices_converter.py:16, the inference modules):
+      the plugin's CPU stand-in, installed before any megatron import.
+    - training/models/gpt.py:5 and models/hybrid.py:5 import ``typing.override`` (Python
+      3.12): typing_extensions' identical decorator, where typing lacks it.
+    """
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+    if _megatron_core_minor() >= 17:
+        from megatron_vshape.megatron.cpu import install_triton_stand_in
+
+        install_triton_stand_in()
+
+
+def _megatron_core_minor() -> int:
+    """The installed megatron-core's minor version (0.16.1 -> 16), read without importing it."""
+    from importlib.metadata import version
+
+    return int(version("megatron-core").split(".")[1])
+
+
 def install_megatron_lm_cpu_patches() -> None:
     """Apply every patch (idempotent); before Megatron-LM's training code runs."""
     if getattr(torch, "_vshape_megatron_lm_cpu", False):
         return
+    _let_megatron_import()
     _stand_in_batch_invariant_kernels()
     from megatron_vshape.megatron.cpu import allow_sequence_parallel_norms, install_cpu_shims
 

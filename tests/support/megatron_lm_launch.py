@@ -30,13 +30,31 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Launcher", "RunResult", "megatron_lm_env", "MEGATRON_LM", "REPO"]
+__all__ = ["Launcher", "RunResult", "megatron_lm_env", "MEGATRON_LM", "REPO",
+           "TAKES_CONFIG_CONTAINER"]
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
-MEGATRON_LM = Path(os.environ.get("MEGATRON_LM") or REPO.parent / "shared" / "megatron-lm").resolve()
-"""Megatron-LM core_v0.16.1's training code: $MEGATRON_LM, else ../shared/megatron-lm beside
-the checkout."""
+
+
+def _default_training_code() -> Path:
+    """The training code beside the checkout that pairs with the installed megatron-core:
+    ../shared/megatron-lm (tag core_v0.16.1) for 0.16, ../shared/megatron-lm-0.19 for later."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        minor = int(version("megatron-core").split(".")[1])
+    except PackageNotFoundError:
+        minor = 16
+    return REPO.parent / "shared" / ("megatron-lm" if minor <= 16 else "megatron-lm-0.19")
+
+
+MEGATRON_LM = Path(os.environ.get("MEGATRON_LM") or _default_training_code()).resolve()
+"""Megatron-LM's training code: $MEGATRON_LM, else the one pairing with megatron-core."""
+TAKES_CONFIG_CONTAINER = (MEGATRON_LM / "megatron" / "training" / "config" /
+                          "container.py").is_file()
+"""Whether that code's pretrain() takes a config container (the 0.19 era) rather than parsing
+the flags itself (core_v0.16.1): which test tier it belongs to."""
 
 _PRELOAD = ("megatron.training.training", "megatron.training.checkpointing", "pretrain_gpt",
             "gpt_builders", "model_provider", "megatron_vshape.megatron.megatron_lm",

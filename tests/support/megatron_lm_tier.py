@@ -1,0 +1,136 @@
+"""The real-loop tiers' shared parts: the tiny GPT's flags, runs launched once per session,
+and the comparison of a run with a reference run (tests/test_megatron_lm_e2e.py for Megatron-LM
+core_v0.16.1, tests/test_megatron_lm_019.py for the 0.19-era training code).
+
+Megatron-LM seeds weight initialisation with seed + 100 x pipeline rank, and a V places layers
+on other ranks than 1F1B, so every comparison starts from one initial checkpoint (a 1F1B run of
+one iteration) loaded with --finetune: the same weights, a fresh optimizer, iteration 0.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from support.megatron_lm_launch import REPO, Launcher, RunResult
+from support.megatron_lm_probe import Records, read_records
+
+__all__ = ["SCRIPT", "REL", "ITERS", "TINY_GPT", "PP4", "Run", "Runs", "assert_same_training",
+           "schedule_flags", "initial_checkpoint", "trained", "resumed"]
+
+SCRIPT = REPO / "scripts" / "pretrain_gpt_vshape.py"
+REL = 1e-5
+"""fp32: the schedules run the same arithmetic per microbatch; only the order of gradient
+accumulation across microbatches may differ (a few ulps over 8 microbatches)."""
+ITERS = 4
+
+TINY_GPT = (
+    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 16 "
+    "--lr 1e-3 --min-lr 1e-4 --seed 1234 --attention-dropout 0 --hidden-dropout 0 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 "
+    "--transformer-impl local --no-gradient-accumulation-fusion --use-cpu-initialization "
+    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
+    "--no-bias-dropout-fusion --distributed-backend gloo --log-interval 1 "
+    "--eval-interval 2 --eval-iters 1 --num-workers 0 --log-throughput").split()
+"""A tiny GPT Megatron-LM trains in seconds on CPU; dropout off (its random streams follow
+each rank's pass order, which is what differs between schedules)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    result: RunResult
+    records: Records
+    folder: Path
+
+    def log(self, rank: int = 0) -> str:
+        return self.result.log(rank)
+
+
+class Runs:
+    """Runs by name, each launched once per session (cases share their 1f1b references)."""
+
+    def __init__(self, launcher: Launcher, root: Path):
+        self.launcher, self.root, self._done = launcher, root, {}
+
+    def get(self, name: str, flags: list, nproc: int = 4) -> Run:
+        if name not in self._done:
+            folder = self.root / name
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            result = self.launcher.run(SCRIPT, flags, nproc, folder / "logs",
+                                       env={"VSHAPE_E2E_RECORD": str(folder)})
+            assert result.ok, f"run {name!r} failed:\n{result.failure()}"
+            self._done[name] = Run(result, read_records(folder, nproc - 1), folder)
+        return self._done[name]
+
+    def attempt(self, name: str, flags: list, nproc: int = 4, env=None) -> RunResult:
+        """A run expected to fail: its result, whatever it is (not cached)."""
+        folder = self.root / name
+        shutil.rmtree(folder, ignore_errors=True)
+        return self.launcher.run(SCRIPT, flags, nproc, folder / "logs", env=env)
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def assert_same_training(run: Run, reference: Run, label: str, first: int = 1) -> dict:
+    """Iterations ``first``..ITERS of ``run`` have the lm loss and grad norm of the same
+    iterations of ``reference``, and its validation losses from there on too (REL)."""
+    got, want = run.records, reference.records.since(first)
+    assert got.iterations() == want.iterations() == list(range(first, ITERS + 1)), \
+        f"{label}: iterations {got.iterations()} vs {want.iterations()}"
+    assert all(event["skipped"] == 0 for event in got.train)
+    loss = max(_rel(a, b) for a, b in zip(got.losses(), want.losses()))
+    norm = max(_rel(a, b) for a, b in zip(got.grad_norms(), want.grad_norms()))
+    assert [e[:2] for e in got.eval_losses()] == [e[:2] for e in want.eval_losses()]
+    assert got.eval_losses(), f"{label}: no validation loss was recorded"
+    valid = max(_rel(a[2], b[2]) for a, b in zip(got.eval_losses(), want.eval_losses()))
+    report = {"case": label, "iterations": len(got.train), "loss": loss, "grad_norm": norm,
+              "valid": valid, "seconds": round(run.result.seconds, 1)}
+    print(report)
+    assert loss <= REL and norm <= REL and valid <= REL, report
+    assert all(math.isfinite(x) for x in got.losses() + got.grad_norms())
+    return report
+
+
+PP4 = ["--pipeline-model-parallel-size", "4"]
+
+
+def schedule_flags(schedule: str) -> list:
+    flags = ["--pipeline-schedule", schedule]
+    if schedule == "auto":  # re-planned inside the loop from the first iteration's costs
+        flags += ["--pipeline-memory-limit", "0.75", "--pipeline-replan-after", "1"]
+    return flags
+
+
+def initial_checkpoint(runs: Runs, key: str, model: list, nproc: int = 4) -> list:
+    """Flags that start a run from the weights of a one-iteration 1f1b run of ``model``."""
+    folder = runs.path(f"init-{key}") / "checkpoint"
+    runs.get(f"init-{key}", TINY_GPT + model + ["--pipeline-schedule", "1f1b", "--train-iters",
+                                                 "1", "--save", str(folder), "--save-interval",
+                                                 "1"], nproc)
+    return ["--load", str(folder), "--finetune"]
+
+
+def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4) -> Run:
+    """``schedule`` trains ITERS iterations of ``model`` from its initial checkpoint."""
+    start = initial_checkpoint(runs, key, model, nproc)
+    save = ["--save", str(runs.path(f"{key}-{schedule}") / "checkpoint"), "--save-interval", "2"]
+    return runs.get(f"{key}-{schedule}", TINY_GPT + model + start + schedule_flags(schedule) +
+                    save + ["--train-iters", str(ITERS), *extra], nproc)
+
+
+def resumed(runs: Runs, key: str, model: list, saved_by: str, schedule: str,
+            nproc: int = 4) -> Run:
+    """``schedule`` resumes at iteration 2 from the checkpoint ``saved_by``'s run wrote."""
+    trained(runs, key, model, saved_by, nproc=nproc)
+    folder = runs.path(f"{key}-{saved_by}") / "checkpoint"
+    return runs.get(f"{key}-{saved_by}-to-{schedule}", TINY_GPT + model + schedule_flags(schedule)
+                    + ["--load", str(folder), "--ckpt-step", "2", "--train-iters", str(ITERS)],
+                    nproc)

@@ -1,0 +1,136 @@
+"""Megatron-LM's 0.19-era training loop (``pretrain()`` with a config container, megatron-core
+0.19.2) under the plugin's schedules: the real-loop tier of tests/test_megatron_lm_e2e.py for
+the training code in ../shared/megatron-lm-0.19.
+
+Run it in an environment whose megatron-core is 0.19.2, with that training code selected
+(``MEGATRON_LM=../shared/megatron-lm-0.19``, the default there) and the marker CI selects::
+
+    MEGATRON_LM=../shared/megatron-lm-0.19 python -m pytest -q -m megatron_versions \\
+        tests/test_megatron_lm_019.py
+
+Each run is ``scripts/pretrain_gpt_vshape.py`` on 4 gloo processes (support.megatron_lm_launch,
+with support.megatron_lm_cpu's patches for this code), a tiny GPT in fp32 started from one
+1f1b checkpoint (support.megatron_lm_tier). Each case compares a schedule with megatron's own
+1f1b on the same flags: every iteration's lm loss and grad norm and every validation loss
+within 1e-5 relative (REL: the schedules differ only in the order gradients accumulate over
+microbatches).
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+import pytest
+
+from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
+from support.megatron_lm_tier import (
+    PP4, TINY_GPT, Runs, assert_same_training, initial_checkpoint, resumed, trained)
+
+pytestmark = pytest.mark.megatron_versions
+
+if not TAKES_CONFIG_CONTAINER:
+    pytest.skip(f"{MEGATRON_LM} is not the 0.19-era training code (set "
+                "MEGATRON_LM=../shared/megatron-lm-0.19)", allow_module_level=True)
+
+
+def _megatron_core() -> str:
+    """The installed megatron-core's version, read without importing it (its import needs the
+    CPU patches that only the launched processes apply)."""
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "none"
+
+
+if not _megatron_core().startswith("0.19."):
+    pytest.skip(f"the 0.19-era training code pairs with megatron-core 0.19, not "
+                f"{_megatron_core()}", allow_module_level=True)
+
+DISTOPT = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+           "--overlap-grad-reduce", "--overlap-param-gather",
+           "--untie-embeddings-and-output-weights"]
+"""PP 2 x DP 2 with megatron's distributed optimizer and both overlaps, untied embeddings."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    launcher = Launcher()
+    yield Runs(launcher, tmp_path_factory.mktemp("megatron-lm-019"))
+    launcher.close()
+
+
+@pytest.mark.parametrize("schedule", ["zb-1p", "v-half", "v-zb", "auto"])
+def test_every_schedule_trains_like_1f1b(runs, schedule):
+    reference = trained(runs, "pp4", PP4, "1f1b")
+    assert_same_training(trained(runs, "pp4", PP4, schedule), reference, f"0.19 pp4 {schedule}")
+
+
+def test_distributed_optimizer_trains_like_1f1b(runs):
+    reference = trained(runs, "pp2dp2-distopt", DISTOPT, "1f1b")
+    got = trained(runs, "pp2dp2-distopt", DISTOPT, "v-half")
+    assert_same_training(got, reference, "0.19 pp2dp2 distopt v-half")
+    assert "[vshape] v-half runs two chunks per rank: align_param_gather=True again" in got.log(0)
+
+
+@pytest.mark.parametrize("model,saved_by,resumed_by", [
+    ("pp4", "v-half", "1f1b"), ("pp4", "1f1b", "v-half"),
+    ("pp2dp2-distopt", "v-half", "1f1b"), ("pp2dp2-distopt", "1f1b", "v-half")])
+def test_resume_under_another_schedule_equals_uninterrupted_training(runs, model, saved_by,
+                                                                     resumed_by):
+    """Saved at iteration 2 under one schedule, resumed under the other: iterations 3 and 4
+    (and their validation) as the uninterrupted 1f1b run's; the distributed optimizer's state
+    in the script's default fully reshardable format."""
+    flags = PP4 if model == "pp4" else DISTOPT
+    uninterrupted = trained(runs, model, flags, "1f1b")
+    got = resumed(runs, model, flags, saved_by, resumed_by)
+    assert_same_training(got, uninterrupted, f"0.19 {model} {saved_by} -> {resumed_by}", first=3)
+
+
+def test_v_runs_check_the_loop_calls_the_plugin_and_report_their_memory(runs):
+    """The start-up check passed inside this training code (train() and evaluate() resolve the
+    plugin's get_forward_backward_func), and the theoretical memory line is the V's."""
+    log = trained(runs, "pp4", PP4, "v-half").log(0)
+    assert ("[vshape] Megatron-LM's train() and evaluate() get their schedule from the plugin's "
+            "get_forward_backward_func") in log
+    assert "(v-half: activations 0.75 x 1F1B's)" in log
+    assert "Memory penalty from interleaved schedule" not in log
+
+
+def test_auto_replans_inside_the_loop(runs):
+    log = trained(runs, "pp4", PP4, "auto").log(0)
+    plans = [line for line in log.splitlines() if line.startswith("[vshape] schedule=auto")]
+    assert len(plans) == 2, plans  # the provisional plan, then the re-planned one
+    assert "[vshape] re-planning auto from measured costs F,B,W,COMM=" in log
+    assert max(float(line.split("peak_memory_vs_1f1b=")[1].split()[0]) for line in plans) <= 0.75
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--pipeline-schedule", "v-half", "--num-layers", "6"],
+     "--num-layers must be >= 2 x --pipeline-model-parallel-size"),
+    (["--pipeline-schedule", "v-quarter"], "invalid choice: 'v-quarter'"),
+])
+def test_bad_flags_stop_at_parsing_with_the_flag_named(runs, flags, needle):
+    """Through the script's parse_and_validate_args (0.19 parses before pretrain()): the run
+    stops before torch.distributed is initialised and names the flag."""
+    result = runs.attempt(f"bad-{flags[1]}", TINY_GPT + PP4 + flags, nproc=4)
+    assert not result.ok
+    log = result.log(0)
+    assert needle in log, log[-2000:]
+    assert "initializing torch distributed" not in log
+
+
+
+def test_dp_reshardable_checkpoint_of_another_layout_is_refused_with_the_way_out(runs):
+    """checkpoints.py reads this training code's checkpoint metadata too: a 1f1b checkpoint
+    saved in megatron's dp_reshardable format stops a v-half resume before any load."""
+    folder = runs.path("pp2dp2-distopt-dp-reshardable") / "checkpoint"
+    runs.get("pp2dp2-distopt-dp-reshardable", TINY_GPT + DISTOPT + initial_checkpoint(
+        runs, "pp2dp2-distopt", DISTOPT) + ["--train-iters", "2", "--save", str(folder),
+                                            "--save-interval", "2",
+                                            "--dist-ckpt-optim-dp-reshardable"])
+    result = runs.attempt("dp-reshardable-to-v-half", TINY_GPT + DISTOPT + [
+        "--pipeline-schedule", "v-half", "--load", str(folder), "--train-iters", "4"])
+    assert not result.ok
+    log = result.log(0)
+    assert "ValueError: checkpoint" in log and "dp_reshardable format" in log
+    assert "--pipeline-schedule 1f1b" in log and "--no-load-optim" in log
+    assert "Global shape mismatch" not in log
