@@ -94,6 +94,69 @@ def test_bad_combinations_name_the_flag(argv, megatron, needle):
     assert needle in str(err.value)
 
 
+PIPELINE_REFUSALS = [
+    ({"context_parallel_size": 2}, "--context-parallel-size 1"),
+    ({"hybrid_context_parallel": True}, "--hybrid-context-parallel"),
+    ({"use_legacy_models": True}, "drop --use-legacy-models"),
+    ({"use_megatron_fsdp": True}, "drop --use-torch-fsdp2 / --use-megatron-fsdp"),
+    ({"delay_wgrad_compute": True}, "--delay-wgrad-compute is megatron's MoE overlap"),
+    ({"overlap_moe_expert_parallel_comm": True}, "drop --overlap-moe-expert-parallel-comm"),
+    ({"combined_1f1b": True}, "--combined-1f1b"),
+    ({"overlap_dispatch_backward_with_experts_wgrad": True},
+     "--overlap-dispatch-backward-with-experts-wgrad"),
+    ({"defer_embedding_wgrad_compute": True}, "drop it"),
+    ({"fp8": "hybrid"}, "--fp8-format / --fp4-format"),
+    ({"fp4": "e2m1"}, "--fp8-format / --fp4-format"),
+    ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+    ({"cuda_graph_impl": "transformer_engine"}, "use --cuda-graph-impl none"),
+    ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
+    ({"external_cuda_graph": True}, "--external-cuda-graph"),
+    ({"fine_grained_activation_offloading": True}, "--fine-grained-activation-offloading"),
+    ({"overlap_param_gather_with_optimizer_step": True},
+     "drop --overlap-param-gather-with-optimizer-step"),
+    ({"overlap_p2p_comm_warmup_flush": True}, "drop --overlap-p2p-communication-warmup-flush"),
+    ({"microbatch_group_size_per_vp_stage": 2},
+     "--microbatch-group-size-per-virtual-pipeline-stage"),
+    ({"use_ring_exchange_p2p": True}, "drop --use-ring-exchange-p2p"),
+    ({"pipeline_model_parallel_comm_backend": "ucc"}, "--pipeline-model-parallel-comm-backend"),
+]
+"""Flags that change how megatron's own schedules run passes or their communication, or are
+untested under the B/W split: refused under V schedules and zb-1p alike. Fields one
+Megatron-LM version lacks (combined_1f1b, overlap_dispatch_backward_with_experts_wgrad) are
+read with getattr, off when absent; Megatron-LM's defaults (cuda_graph_impl 'none', fp8 None)
+pass (test_defaults_of_both_versions_pass)."""
+
+
+@pytest.mark.parametrize("schedule", ["v-half", "zb-1p"])
+@pytest.mark.parametrize("megatron,needle", PIPELINE_REFUSALS)
+def test_pipeline_flags_are_refused_under_our_schedules(schedule, megatron, needle):
+    with pytest.raises(ValueError) as err:
+        check_arguments(_args(["--pipeline-schedule", schedule], **megatron))
+    message = str(err.value)
+    assert message.startswith(f"--pipeline-schedule {schedule} ") and needle in message
+    assert "drop" in message or "use " in message  # the way out
+
+
+@pytest.mark.parametrize("megatron,needle", PIPELINE_REFUSALS)
+def test_megatrons_own_schedules_keep_these_flags(megatron, needle):
+    check_arguments(_args(["--pipeline-schedule", "1f1b"], **megatron))
+
+
+def test_defaults_of_both_versions_pass():
+    """Megatron-LM's defaults of the refused flags (core_v0.16.1 and 0.19) are accepted, and
+    so is overlap_p2p_comm's (on by default; Megatron-LM turns it off for one-chunk
+    schedules, and ours post their own asynchronous p2p)."""
+    defaults = dict(cuda_graph_impl="none", enable_cuda_graph=False, external_cuda_graph=False,
+                    fp8=None, fp4=None, tp_comm_overlap=False, hybrid_context_parallel=False,
+                    defer_embedding_wgrad_compute=False, overlap_moe_expert_parallel_comm=False,
+                    fine_grained_activation_offloading=False, overlap_p2p_comm=True,
+                    overlap_p2p_comm_warmup_flush=False, microbatch_group_size_per_vp_stage=None,
+                    use_ring_exchange_p2p=False, pipeline_model_parallel_comm_backend=None,
+                    overlap_param_gather_with_optimizer_step=False, wgrad_deferral_limit=0)
+    for schedule in ("v-min", "v-half", "v-zb", "auto", "zb-1p"):
+        check_arguments(_args(["--pipeline-schedule", schedule], **defaults))
+
+
 def test_the_papers_uneven_layer_counts_are_accepted():
     """30 layers on PP = 8 (k x p - 2): rank 0's chunks take the two missing layers."""
     check_arguments(_args(["--pipeline-schedule", "v-half"], pipeline_model_parallel_size=8))

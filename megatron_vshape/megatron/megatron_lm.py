@@ -97,16 +97,73 @@ _V_REFUSALS = (
              "does not support MoE (--num-experts) yet: use --pipeline-schedule 1f1b"),
     _Refusal(lambda a: bool(getattr(a, "mtp_num_layers", None)),
              "does not support multi-token prediction (--mtp-num-layers) yet"),
-    _Refusal(lambda a: getattr(a, "context_parallel_size", 1) > 1,
-             "is not tested with context parallelism: use --context-parallel-size 1"),
-    _Refusal(lambda a: getattr(a, "use_legacy_models", False),
-             "runs megatron-core models only: drop --use-legacy-models"),
-    _Refusal(lambda a: getattr(a, "use_torch_fsdp2", False) or getattr(a, "use_megatron_fsdp", False),
-             "needs megatron's DistributedDataParallel: drop --use-torch-fsdp2 / "
-             "--use-megatron-fsdp"),
-    _Refusal(lambda a: getattr(a, "delay_wgrad_compute", False),
-             "splits B and W itself (--delay-wgrad-compute is megatron's MoE overlap): drop it"),
 )
+
+
+def _on(args, *names) -> bool:
+    """Whether any of these Megatron-LM flags is set (a flag one version lacks is off)."""
+    return any(getattr(args, name, None) not in (None, False, 0, "none", [], ()) for name in names)
+
+
+_PIPELINE_REFUSALS = (
+    _Refusal(lambda a: getattr(a, "context_parallel_size", 1) > 1,
+             "is not tested with context parallelism (megatron's attention needs Transformer "
+             "Engine for it, so no CPU test runs it): use --context-parallel-size 1, or "
+             "--pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _on(a, "hybrid_context_parallel"),
+             "does not support --hybrid-context-parallel (packs of varying length over dynamic "
+             "context-parallel groups, run by megatron's own schedule): drop it, or use "
+             "--pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _on(a, "use_legacy_models"),
+             "runs megatron-core models only: drop --use-legacy-models"),
+    _Refusal(lambda a: _on(a, "use_torch_fsdp2", "use_megatron_fsdp"),
+             "needs megatron's DistributedDataParallel (its W passes call DDP's gradient hooks): "
+             "drop --use-torch-fsdp2 / --use-megatron-fsdp, or use --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _on(a, "delay_wgrad_compute"),
+             "splits B and W itself (--delay-wgrad-compute is megatron's MoE overlap): drop it"),
+    _Refusal(lambda a: _on(a, "overlap_moe_expert_parallel_comm", "combined_1f1b",
+                           "overlap_dispatch_backward_with_experts_wgrad",
+                           "ep_overlap_early_attn_memory_release"),
+             "does not run megatron's combined 1F1B for MoE communication overlap (its own "
+             "schedule plan): drop --overlap-moe-expert-parallel-comm / --combined-1f1b / "
+             "--overlap-dispatch-backward-with-experts-wgrad / "
+             "--ep-overlap-early-attn-memory-release, or use --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _on(a, "defer_embedding_wgrad_compute"),
+             "does not support --defer-embedding-wgrad-compute (megatron's own schedules drain "
+             "the LM head's deferred weight gradients at the flush; ours never would, and the "
+             "LM head would get no gradient): drop it"),
+    _Refusal(lambda a: _on(a, "fp8", "fp4"),
+             "is not tested with FP8 or FP4 training (--fp8-format / --fp4-format: Transformer "
+             "Engine's scaling state and cached low-precision weights under the B/W split run "
+             "on GPUs only, untested): drop it, or use --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _on(a, "tp_comm_overlap"),
+             "does not support --tp-comm-overlap (Transformer Engine overlaps the weight-"
+             "gradient GEMM with tensor-parallel communication inside the fused backward the "
+             "B/W split takes apart): drop it, or use --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _on(a, "cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph"),
+             "does not support CUDA graphs (--cuda-graph-impl, --enable-cuda-graph, "
+             "--external-cuda-graph: megatron captures them in its own schedules' pass order): "
+             "use --cuda-graph-impl none, or --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _on(a, "fine_grained_activation_offloading", "cpu_offloading"),
+             "does not support activation offloading (--fine-grained-activation-offloading: it "
+             "offloads and reloads in megatron's pass order): drop it, or use "
+             "--pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _on(a, "overlap_param_gather_with_optimizer_step"),
+             "starts every chunk's parameter all-gather at the start of a step: drop "
+             "--overlap-param-gather-with-optimizer-step (megatron's interleaved schedule's; "
+             "--overlap-param-gather works)"),
+    _Refusal(lambda a: _on(a, "overlap_p2p_comm_warmup_flush",
+                           "microbatch_group_size_per_vp_stage"),
+             "runs its own pass order: drop --overlap-p2p-communication-warmup-flush / "
+             "--microbatch-group-size-per-virtual-pipeline-stage (megatron's interleaved "
+             "schedule's; they would be ignored)"),
+    _Refusal(lambda a: _on(a, "use_ring_exchange_p2p", "pipeline_model_parallel_comm_backend"),
+             "runs its own point-to-point communication (async sends and receives, one process "
+             "group per stream, the default backend): drop --use-ring-exchange-p2p / "
+             "--pipeline-model-parallel-comm-backend (they would be ignored)"),
+)
+"""Refused under every schedule of the plugin (V and zb-1p): what changes how megatron's own
+schedules run passes or their communication, or is untested under the B/W split."""
 
 
 def check_arguments(args) -> None:
@@ -126,10 +183,11 @@ def check_arguments(args) -> None:
                          "pipeline stages use --pipeline-schedule interleaved-1f1b")
     if name == "zb-1p" and args.pipeline_model_parallel_size < 2:
         raise ValueError("--pipeline-schedule zb-1p needs --pipeline-model-parallel-size >= 2")
-    if name in V_SCHEDULES:
-        for refusal in _V_REFUSALS:
-            if refusal.applies(args):
-                raise ValueError(f"--pipeline-schedule {name} " + refusal.message.replace("%%", "%"))
+    refusals = (_V_REFUSALS if name in V_SCHEDULES else ()) + \
+        (_PIPELINE_REFUSALS if name in V_SCHEDULES + ("zb-1p",) else ())
+    for refusal in refusals:
+        if refusal.applies(args):
+            raise ValueError(f"--pipeline-schedule {name} " + refusal.message.replace("%%", "%"))
     if args.pipeline_memory_limit is not None:
         if name != "auto":
             raise ValueError("--pipeline-memory-limit applies to --pipeline-schedule auto only "

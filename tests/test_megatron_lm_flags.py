@@ -1,0 +1,120 @@
+"""Megatron-LM flags that change how a pipeline schedule, its communication or its backward
+runs, under the plugin's schedules, in Megatron-LM's own loop (scripts/pretrain_gpt_vshape.py
+on 4 gloo processes, as tests/test_megatron_lm_e2e.py runs it).
+
+The refusals themselves are unit-tested on an argument namespace (tests/test_megatron_lm_args.py,
+PIPELINE_REFUSALS); here a few go through the script's real parse_args and validate_args, and
+what runs on CPU is run: activation recomputation, whose backward re-runs the forward, against
+1f1b on the same flags.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from support.megatron_lm_launch import MEGATRON_LM, REPO, Launcher  # noqa: E402
+from support.megatron_lm_probe import read_records  # noqa: E402
+
+if not (MEGATRON_LM / "megatron" / "training").is_dir():
+    pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
+                allow_module_level=True)
+
+SCRIPT = REPO / "scripts" / "pretrain_gpt_vshape.py"
+REL = 1e-5
+"""fp32: the same arithmetic per microbatch, only the order of gradient accumulation across
+microbatches may differ (tests/test_megatron_lm_e2e.py's tolerance)."""
+ITERS = 3
+
+TINY_GPT = (
+    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 16 "
+    "--lr 1e-3 --min-lr 1e-4 --seed 1234 --attention-dropout 0 --hidden-dropout 0 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 "
+    "--transformer-impl local --no-gradient-accumulation-fusion --use-cpu-initialization "
+    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
+    "--no-bias-dropout-fusion --distributed-backend gloo --log-interval 1 "
+    "--eval-interval 2 --eval-iters 1 --num-workers 0 "
+    "--pipeline-model-parallel-size 4").split()
+"""tests/test_megatron_lm_e2e.py's tiny GPT at PP 4 (dropout off)."""
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    launcher = Launcher()
+    root = tmp_path_factory.mktemp("megatron-lm-flags")
+    done = {}
+
+    def run(name: str, flags: list, expect_ok: bool = True):
+        if name not in done:
+            folder = root / name
+            shutil.rmtree(folder, ignore_errors=True)
+            result = launcher.run(SCRIPT, TINY_GPT + flags, 4, folder / "logs",
+                                  env={"VSHAPE_E2E_RECORD": str(folder)})
+            if expect_ok:
+                assert result.ok, f"run {name!r} failed:\n{result.failure()}"
+            done[name] = (read_records(folder, 3) if result.ok else None), result
+        return done[name]
+
+    run.root = root
+    yield run
+    launcher.close()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--pipeline-schedule", "v-half", "--overlap-p2p-communication-warmup-flush"],
+     "--pipeline-schedule v-half runs its own pass order: drop "
+     "--overlap-p2p-communication-warmup-flush"),
+    (["--pipeline-schedule", "zb-1p", "--cuda-graph-impl", "local"],
+     "--pipeline-schedule zb-1p does not support CUDA graphs"),
+    (["--pipeline-schedule", "v-min", "--defer-embedding-wgrad-compute"],
+     "--pipeline-schedule v-min does not support --defer-embedding-wgrad-compute"),
+    (["--pipeline-schedule", "zb-1p", "--hybrid-context-parallel"],
+     "--pipeline-schedule zb-1p does not support --hybrid-context-parallel"),
+])
+def test_pipeline_flags_stop_at_parsing_with_the_flag_named(launch, flags, needle):
+    """Through the script's real parse_args and validate_args: the run stops before
+    torch.distributed is initialised, and says which flag to drop."""
+    _, result = launch(f"refused-{abs(hash(tuple(flags)))}", flags, expect_ok=False)
+    assert not result.ok
+    log = result.log(0)
+    assert needle in log, log[-2000:]
+    assert "initializing torch distributed" not in log
+
+
+RECOMPUTE = {
+    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"],
+    "selective": ["--recompute-granularity", "selective"],
+}
+
+
+def _trained(launch, schedule: str, extra: list):
+    start = launch.root / "init" / "checkpoint"
+    launch("init", ["--pipeline-schedule", "1f1b", "--train-iters", "1", "--save", str(start),
+                    "--save-interval", "1"])
+    name = f"{schedule}-{'-'.join(extra).replace('--', '')}"
+    return launch(name, ["--pipeline-schedule", schedule, "--load", str(start), "--finetune",
+                         "--train-iters", str(ITERS), *extra])
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@pytest.mark.parametrize("schedule", ["v-half", "zb-1p"])
+@pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
+def test_activation_recomputation_trains_like_1f1b(launch, schedule, recompute):
+    """--recompute-granularity full (uniform, one layer) and selective: B re-runs the forward
+    of the recomputed layers, W takes the weight gradients from what that re-run saved."""
+    want, _ = _trained(launch, "1f1b", RECOMPUTE[recompute])
+    got, result = _trained(launch, schedule, RECOMPUTE[recompute])
+    assert got.iterations() == want.iterations() == list(range(1, ITERS + 1))
+    assert all(event["skipped"] == 0 for event in got.train)
+    report = {"loss": max(map(_rel, got.losses(), want.losses())),
+              "grad_norm": max(map(_rel, got.grad_norms(), want.grad_norms())),
+              "seconds": round(result.seconds, 1)}
+    print(schedule, recompute, report)
+    assert report["loss"] <= REL and report["grad_norm"] <= REL, report
