@@ -15,8 +15,8 @@ from functools import partial
 
 import torch
 
-__all__ = ["install_cpu_shims", "install_triton_stand_in", "allow_sequence_parallel_norms",
-           "SequenceParallelLayerNorm"]
+__all__ = ["prepare_cpu_imports", "install_cpu_shims", "install_triton_stand_in",
+           "install_typing_override", "allow_sequence_parallel_norms", "SequenceParallelLayerNorm"]
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
               "empty_like", "randn", "rand")
@@ -124,6 +124,36 @@ def install_triton_stand_in() -> None:
     language.__getattr__ = _language_attribute
     triton.language = language
     sys.modules["triton"], sys.modules["triton.language"] = triton, language
+
+
+def install_typing_override() -> None:
+    """``typing.override`` (Python 3.12) on 3.11, as the identity decorator (idempotent).
+
+    megatron-core 0.19 and the Megatron-LM training code of its era decorate methods with it
+    (``from typing import override``); PEP 698's decorator only sets ``__override__``, so the
+    stand-in (typing_extensions' definition, without the dependency) changes no behaviour.
+    """
+    import typing
+
+    if hasattr(typing, "override"):
+        return
+
+    def override(method):
+        try:
+            method.__override__ = True
+        except (AttributeError, TypeError):
+            pass
+        return method
+
+    typing.override = override
+
+
+def prepare_cpu_imports() -> None:
+    """What a CPU process needs before its first megatron import (idempotent): the triton
+    stand-in (megatron-core >= 0.17) and ``typing.override`` on Python 3.11. Call it first
+    thing in the demo's and the tests' spawned workers; a no-op where neither is missing."""
+    install_typing_override()
+    install_triton_stand_in()
 
 
 def install_cpu_shims() -> None:

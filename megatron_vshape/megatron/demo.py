@@ -122,6 +122,9 @@ def run_schedules(settings: DemoSettings, schedules, on_done=None) -> dict[str, 
     import torch.multiprocessing as mp
 
     from ..runtime.launch import run_gloo
+    from .cpu import prepare_cpu_imports
+
+    prepare_cpu_imports()  # the ranks' results hold megatron objects: unpickled here
 
     done = mp.get_context("spawn").Queue()
     watcher = threading.Thread(target=_report, args=(done, on_done, len(schedules)), daemon=True)
@@ -184,7 +187,10 @@ def _aligned(timeline, origin):
 
 # -- in every spawned rank ---------------------------------------------------------------------
 def _worker(rank: int, world: int, settings: DemoSettings, schedules, done) -> dict:
-    from .cpu import install_cpu_shims
+    from .cpu import install_cpu_shims, prepare_cpu_imports
+
+    prepare_cpu_imports()
+    import megatron.core.models.gpt  # noqa: F401  (before the shims rebind megatron's RNG)
 
     install_cpu_shims()
     from megatron.core import parallel_state as ps

@@ -52,25 +52,36 @@ def _deferrable_function():
         def forward(ctx, input_, weight, *rest):
             # The Parameter itself: saved tensors may come back as other Python objects.
             ctx.vshape_weight = weight
+            # backward returns one gradient per forward input: 9 in megatron-core 0.16,
+            # 10 in 0.19 (gtp_remat_size), counted here rather than per version
+            ctx.vshape_inputs = 2 + len(rest)
             return base.forward(ctx, input_, weight, *rest)
 
         @staticmethod
         @layers.custom_bwd
         def backward(ctx, grad_output):
             weight = ctx.vshape_weight
-            store = getattr(weight, _STORE, None)
-            if store is None or ctx.grad_output_buffer is not None:
+            if not _deferrable(ctx, weight):
                 return base.backward(ctx, grad_output)
             input_, _ = ctx.saved_tensors
             grad_input = _input_grad(ctx, grad_output, weight)
             grad_bias = (grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
                          if ctx.use_bias else None)
-            store.defer(functools.partial(_weight_grad, weight, ctx.sequence_parallel,
-                                          ctx.gradient_accumulation_fusion, ctx.tp_group),
-                        input_, grad_output)
-            return grad_input, None, grad_bias, None, None, None, None, None, None
+            getattr(weight, _STORE).defer(
+                functools.partial(_weight_grad, weight, ctx.sequence_parallel,
+                                  ctx.gradient_accumulation_fusion, ctx.tp_group),
+                input_, grad_output)
+            return (grad_input, None, grad_bias) + (None,) * (ctx.vshape_inputs - 3)
 
     return DeferrableLinear
+
+
+def _deferrable(ctx, weight) -> bool:
+    """Whether B may leave this weight's gradient to W: a store registered it, megatron keeps
+    no grad_output buffer for it, and the weight is whole on this rank (megatron-core 0.19's
+    GTP re-materialisation, ``gtp_remat_size > 1``, shards it: megatron's own path then)."""
+    return (getattr(weight, _STORE, None) is not None and ctx.grad_output_buffer is None
+            and getattr(ctx, "gtp_remat_size", 1) <= 1)
 
 
 def _input_grad(ctx, grad_output, weight):

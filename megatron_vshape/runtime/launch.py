@@ -68,15 +68,26 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args, timeout: float = 30
     return [outcomes[r] for r in range(world_size)]
 
 
+def _unpickled(item: RankOutcome) -> RankOutcome:
+    """The outcome with its value unpickled; a value this process cannot unpickle (a class
+    whose module fails to import here) fails that rank instead of the collection, which would
+    leave the other processes running with nobody to wait for them."""
+    if not item.ok:
+        return item
+    try:
+        return RankOutcome(item.rank, True, pickle.loads(item.value))
+    except Exception as err:  # noqa: BLE001  (any import or unpickling error)
+        return RankOutcome(item.rank, False, error=f"rank {item.rank}'s result could not be "
+                                                   f"unpickled here: {type(err).__name__}: {err}")
+
+
 def _collect(procs, results, timeout: float) -> dict[int, RankOutcome]:
     deadline = time.monotonic() + timeout
     outcomes: dict[int, RankOutcome] = {}
     while len(outcomes) < len(procs) and time.monotonic() < deadline:
         try:
             item = results.get(timeout=0.2)
-            if item.ok:
-                item = RankOutcome(item.rank, True, pickle.loads(item.value))
-            outcomes[item.rank] = item
+            outcomes[item.rank] = _unpickled(item)
         except queue.Empty:
             pass
         for rank, proc in enumerate(procs):
