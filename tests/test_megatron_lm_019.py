@@ -23,7 +23,8 @@ import pytest
 
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
 from support.megatron_lm_tier import (
-    PP4, TINY_GPT, Runs, assert_same_training, initial_checkpoint, resumed, trained)
+    ITERS, PP4, TINY_GPT, Runs, assert_same_training, initial_checkpoint, resumed,
+    schedule_flags, trained, under_torchrun)
 
 pytestmark = pytest.mark.megatron_versions
 
@@ -49,6 +50,9 @@ DISTOPT = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
            "--overlap-grad-reduce", "--overlap-param-gather",
            "--untie-embeddings-and-output-weights"]
 """PP 2 x DP 2 with megatron's distributed optimizer and both overlaps, untied embeddings."""
+TP_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--sequence-parallel"]
+"""TP 2 x PP 2 with sequence parallelism."""
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,7 @@ def runs(tmp_path_factory):
     launcher.close()
 
 
-@pytest.mark.parametrize("schedule", ["zb-1p", "v-half", "v-zb", "auto"])
+@pytest.mark.parametrize("schedule", ["zb-1p", "v-min", "v-half", "v-zb", "auto"])
 def test_every_schedule_trains_like_1f1b(runs, schedule):
     reference = trained(runs, "pp4", PP4, "1f1b")
     assert_same_training(trained(runs, "pp4", PP4, schedule), reference, f"0.19 pp4 {schedule}")
@@ -69,6 +73,25 @@ def test_distributed_optimizer_trains_like_1f1b(runs):
     got = trained(runs, "pp2dp2-distopt", DISTOPT, "v-half")
     assert_same_training(got, reference, "0.19 pp2dp2 distopt v-half")
     assert "[vshape] v-half runs two chunks per rank: align_param_gather=True again" in got.log(0)
+
+
+def test_tensor_and_sequence_parallel_train_like_1f1b(runs):
+    reference = trained(runs, "tp2pp2-sp", TP_SP, "1f1b")
+    assert_same_training(trained(runs, "tp2pp2-sp", TP_SP, "v-min"), reference,
+                         "0.19 tp2pp2 sp v-min")
+
+
+def test_uneven_layers_train_like_1f1b(runs):
+    """--num-layers 14 on PP 4 (k x p - 2): the V's stages 1,2,2,2,2,2,2,1; megatron's 1f1b
+    with its own uneven layout (2,4,4,4)."""
+    model = PP4 + ["--num-layers", "14"]
+    first = ["--decoder-first-pipeline-num-layers", "2"]
+    start = initial_checkpoint(runs, "pp4-uneven", model + first)
+    reference = runs.get("pp4-uneven-1f1b", TINY_GPT + model + start + first +
+                         ["--train-iters", str(ITERS)])
+    got = runs.get("pp4-uneven-v-half", TINY_GPT + model + start +
+                   ["--pipeline-schedule", "v-half", "--train-iters", str(ITERS)])
+    assert_same_training(got, reference, "0.19 pp4 14 layers v-half")
 
 
 @pytest.mark.parametrize("model,saved_by,resumed_by", [
@@ -134,3 +157,13 @@ def test_dp_reshardable_checkpoint_of_another_layout_is_refused_with_the_way_out
     assert "ValueError: checkpoint" in log and "dp_reshardable format" in log
     assert "--pipeline-schedule 1f1b" in log and "--no-load-optim" in log
     assert "Global shape mismatch" not in log
+
+
+def test_a_run_under_torchrun_equals_the_launchers(runs, tmp_path):
+    """The v-half run under a real ``torchrun`` (support/mlm_site applies the CPU patches in
+    each process, as a user's GPU-less checkout would) records bit-identical losses, grad norms
+    and validation losses to the launcher's."""
+    launched = trained(runs, "pp4", PP4, "v-half")
+    got = under_torchrun(TINY_GPT + PP4 + initial_checkpoint(runs, "pp4", PP4) +
+                         schedule_flags("v-half") + ["--train-iters", str(ITERS)], tmp_path)
+    assert got.train == launched.records.train and got.evals == launched.records.evals

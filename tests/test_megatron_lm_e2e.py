@@ -15,21 +15,16 @@ must agree to 1e-5 relative (fp32; most agree bit for bit).
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("megatron.core")
 
 from support.megatron_lm_launch import (  # noqa: E402
-    MEGATRON_LM, REPO, TAKES_CONFIG_CONTAINER, Launcher, RunResult, megatron_lm_env)
+    MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher, RunResult)
 from support.megatron_lm_cpu import TORCH_ADAMW  # noqa: E402
-from support.megatron_lm_probe import read_records  # noqa: E402
 from support.megatron_lm_tier import (  # noqa: E402
-    ITERS, PP4, SCRIPT, TINY_GPT, Run, Runs, assert_same_training, initial_checkpoint, resumed,
-    schedule_flags, trained)
+    ITERS, PP4, TINY_GPT, Run, Runs, assert_same_training, initial_checkpoint, resumed,
+    schedule_flags, trained, under_torchrun)
 
 if not (MEGATRON_LM / "megatron" / "training").is_dir():
     pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
@@ -262,13 +257,6 @@ def test_a_run_under_torchrun_equals_the_launchers(runs, tmp_path):
     losses: the fork launcher the other tests use changes nothing."""
     launched = trained(runs, "pp4", PP4, "v-half")
     init = initial_checkpoint(runs, "pp4", PP4)
-    env = megatron_lm_env([Path(__file__).parent / "support" / "mlm_site"])
-    env["VSHAPE_E2E_RECORD"] = str(tmp_path)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "4", str(SCRIPT), *TINY_GPT, *PP4, *init, *schedule_flags("v-half"),
-               "--train-iters", str(ITERS)]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    got = read_records(tmp_path, 3)
+    got = under_torchrun(TINY_GPT + PP4 + init + schedule_flags("v-half") +
+                         ["--train-iters", str(ITERS)], tmp_path)
     assert got.train == launched.records.train and got.evals == launched.records.evals

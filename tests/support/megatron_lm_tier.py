@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from support.megatron_lm_launch import REPO, Launcher, RunResult
+from support.megatron_lm_launch import REPO, Launcher, RunResult, megatron_lm_env
 from support.megatron_lm_probe import Records, read_records
 
 __all__ = ["SCRIPT", "REL", "ITERS", "TINY_GPT", "PP4", "Run", "Runs", "assert_same_training",
-           "schedule_flags", "initial_checkpoint", "trained", "resumed"]
+           "schedule_flags", "initial_checkpoint", "trained", "resumed", "under_torchrun"]
 
 SCRIPT = REPO / "scripts" / "pretrain_gpt_vshape.py"
 REL = 1e-5
@@ -134,3 +136,16 @@ def resumed(runs: Runs, key: str, model: list, saved_by: str, schedule: str,
     return runs.get(f"{key}-{saved_by}-to-{schedule}", TINY_GPT + model + schedule_flags(schedule)
                     + ["--load", str(folder), "--ckpt-step", "2", "--train-iters", str(ITERS)],
                     nproc)
+
+
+def under_torchrun(flags: list, record_dir: Path, nproc: int = 4) -> Records:
+    """The script under a real ``torchrun`` (the CPU patches and the probe applied by
+    support/mlm_site's sitecustomize in every process): the last rank's records."""
+    env = megatron_lm_env([Path(__file__).parent / "mlm_site"])
+    env["VSHAPE_E2E_RECORD"] = str(record_dir)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), str(SCRIPT), *flags]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return read_records(record_dir, nproc - 1)
