@@ -80,6 +80,7 @@ def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
      "use --pipeline-schedule interleaved-1f1b"),
     (["--pipeline-schedule", "zb-1p"], {"pipeline_model_parallel_size": 1},
      "zb-1p needs --pipeline-model-parallel-size >= 2"),
+    (["--pipeline-schedule", "zb-1p"], {"num_experts": 8}, "is not tested with MoE"),
     (["--pipeline-schedule", "v-half", "--pipeline-memory-limit", "0.5"], {},
      "--pipeline-memory-limit applies to --pipeline-schedule auto only"),
     (["--pipeline-schedule", "auto", "--pipeline-memory-limit", "lots"], {},

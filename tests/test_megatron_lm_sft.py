@@ -100,10 +100,11 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("layout,schedule,reference", [
-    ("pp2dp2", "v-half", "pp2dp2"), ("tp2pp2", "v-min", "pp2")])
+    ("pp2dp2", "v-half", "pp2dp2"), ("tp2pp2", "v-min", "pp2"), ("pp2dp2", "zb-1p", "pp2dp2")])
 def test_packed_sequences_train_like_1f1b(runs, layout, schedule, reference):
     """Every attention call on every rank got the pack's offsets (strict mode: the runs
-    completed), and the V trains with 1f1b's lm loss, grad norm and validation loss. TP 2 is
+    completed), and the schedule trains with 1f1b's lm loss, grad norm and validation loss
+    (zb-1p reads batches with pretrain_gpt's own get_batch, as 1f1b does). TP 2 is
     compared with 1f1b at TP 1 (same data: DP 1 both): Megatron-LM core_v0.16.1's own --sft
     batch fails with TP > 1 (its TP ranks disagree on broadcasting max_seqlen, utils.py:621 vs
     :671-675 make it None)."""

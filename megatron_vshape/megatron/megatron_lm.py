@@ -165,6 +165,14 @@ _PIPELINE_REFUSALS = (
 """Refused under every schedule of the plugin (V and zb-1p): what changes how megatron's own
 schedules run passes or their communication, or is untested under the B/W split."""
 
+_ZB_REFUSALS = (
+    _Refusal(lambda a: bool(getattr(a, "num_experts", None)),
+             "is not tested with MoE (--num-experts: megatron-core 0.16's router needs "
+             "Transformer Engine, so no CPU test runs it, and grouped-GEMM experts would keep "
+             "their weight gradients in B): use --pipeline-schedule 1f1b"),
+)
+"""zb-1p's own (the V's MoE refusal is in _V_REFUSALS)."""
+
 
 def check_arguments(args) -> None:
     """Refuse bad flag combinations at argument parsing, naming the flag and what to change."""
@@ -183,8 +191,8 @@ def check_arguments(args) -> None:
                          "pipeline stages use --pipeline-schedule interleaved-1f1b")
     if name == "zb-1p" and args.pipeline_model_parallel_size < 2:
         raise ValueError("--pipeline-schedule zb-1p needs --pipeline-model-parallel-size >= 2")
-    refusals = (_V_REFUSALS if name in V_SCHEDULES else ()) + \
-        (_PIPELINE_REFUSALS if name in V_SCHEDULES + ("zb-1p",) else ())
+    refusals = (_V_REFUSALS if name in V_SCHEDULES else _ZB_REFUSALS if name == "zb-1p"
+                else ()) + (_PIPELINE_REFUSALS if name in V_SCHEDULES + ("zb-1p",) else ())
     for refusal in refusals:
         if refusal.applies(args):
             raise ValueError(f"--pipeline-schedule {name} " + refusal.message.replace("%%", "%"))
