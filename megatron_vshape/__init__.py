@@ -3,7 +3,7 @@
 Method: "Pipeline Parallelism with Controllable Memory" (Qi et al., arXiv 2405.15362).
 """
 __version__ = "0.1.0"
-__all__ = ["__version__", "install", "uninstall"]
+__all__ = ["__version__", "install", "uninstall", "check_megatron_core_version"]
 
 
 def install(config=None, **settings):
@@ -22,3 +22,12 @@ def uninstall():
     from .megatron.install import uninstall as _uninstall
 
     _uninstall()
+
+
+def check_megatron_core_version():
+    """Raise unless the installed megatron-core is a supported release (0.16.x, 0.19.x), or
+    warn where VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1; returns the version. :func:`install` calls
+    it; see :mod:`megatron_vshape.megatron.versions`. Imports no megatron."""
+    from .megatron.versions import check_megatron_core_version as _check
+
+    return _check()

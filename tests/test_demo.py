@@ -3,7 +3,10 @@ import json
 
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("torch")
+from support.megatron_cpu import importorskip_megatron  # noqa: E402
+
+importorskip_megatron()
 
 from megatron_vshape.cli import build_parser, main  # noqa: E402
 from megatron_vshape.cli.demo import _settings  # noqa: E402

@@ -6,7 +6,10 @@ models (different layers per rank) are the same model. Each step's losses and ev
 """
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("torch")
+from support.megatron_cpu import importorskip_megatron  # noqa: E402
+
+importorskip_megatron()
 
 from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
 from support.megatron_workers import compare_runs  # noqa: E402

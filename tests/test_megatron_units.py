@@ -3,7 +3,10 @@ import types
 
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("torch")
+from support.megatron_cpu import importorskip_megatron  # noqa: E402
+
+importorskip_megatron()
 
 import megatron.core.pipeline_parallel as pipeline_parallel  # noqa: E402
 import megatron.core.pipeline_parallel.schedules as schedules  # noqa: E402
@@ -129,3 +132,40 @@ def test_dp_reshardable_optimizer_state_of_another_layout_is_refused():
     check_optimizer_layout(saved, None, run, "x")
     check_optimizer_layout(_ns(pipeline_schedule="zb-1p"), "dp_reshardable",
                            _ns(pipeline_schedule="1f1b"), "x")
+
+
+# -- megatron's own schedules refuse V chunks (install.py) --------------------------------------
+def test_v_marker_is_found_through_wrappers():
+    import torch
+
+    from megatron_vshape.megatron.model import V_PLACED, is_v_placed
+
+    chunk = torch.nn.Linear(2, 2)
+    assert not is_v_placed(chunk)
+    setattr(chunk, V_PLACED, True)
+    wrapper = types.SimpleNamespace(module=types.SimpleNamespace(module=chunk))  # DDP(Float16)
+    assert is_v_placed(chunk) and is_v_placed(wrapper)
+
+
+@pytest.mark.megatron_versions
+def test_megatrons_schedules_refuse_v_chunks_while_installed():
+    """A loop reaching megatron's interleaved (or 1F1B, or no-pipelining) function by a name
+    install() does not wrap fails naming the problem, instead of running the interleaved order
+    on V-placed chunks; standard chunks still run, and uninstall() removes the guard."""
+    from megatron_vshape.runtime.launch import run_gloo
+    from support.megatron_workers import megatron_schedules_on_v_chunks
+
+    outcomes = run_gloo(megatron_schedules_on_v_chunks, 2, timeout=300)
+    failed = [o for o in outcomes if not o.ok]
+    assert not failed, failed[0].error
+    for outcome in outcomes:
+        errors = outcome.value["errors"]
+        assert set(errors) == {"forward_backward_pipelining_with_interleaving",
+                               "forward_backward_pipelining_without_interleaving",
+                               "forward_backward_no_pipelining"}
+        for name, error in errors.items():
+            assert error is not None, f"{name} ran on V chunks"
+            assert error.startswith("VPlacementError: megatron's own " + name), error
+            assert "V-placed model chunks" in error and "get_forward_backward_func" in error
+        assert outcome.value["restored"]
+    assert len(outcomes[1].value["losses"]) == 4  # 1F1B's last rank: one loss per microbatch

@@ -38,6 +38,20 @@ def _wrap_factory(fn):
     return wrapper
 
 
+class _CpuStream:
+    """Stands in for the current CUDA stream: every wait returns at once (CPU work is
+    synchronous)."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _CpuRngTracker:
     """Stands in for megatron's CUDA RNG tracker: names are tracked (each with its seed as a
     tensor, the shape of state Megatron-LM's checkpoints save and restore), forks change nothing
@@ -170,6 +184,10 @@ def install_cpu_shims() -> None:
         setattr(torch, name, _wrap_factory(getattr(torch, name)))
     # 5. Tensor.cuda (tied embeddings with PP > 1) stays on the CPU.
     torch.Tensor.cuda = lambda self, *a, **k: self
+    # 7. the current CUDA stream: megatron-core 0.19's bucket groups wait on it for CUDA-graph
+    #    weight-gradient events before reducing (distributed/param_and_grad_buffer.py:632,
+    #    start_grad_sync); on the CPU nothing runs asynchronously, so there is nothing to wait.
+    torch.cuda.current_stream = lambda *a, **k: _CpuStream()
     # 3. the CUDA RNG tracker (attention always forks it).
     from megatron.core.tensor_parallel import random as mrandom
 

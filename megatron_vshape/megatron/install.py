@@ -6,9 +6,17 @@ and (Megatron-LM) ``megatron.training.training``. :func:`install` replaces it in
 wrapper that returns our forward-backward function when the plugin's schedule is one of ours
 and pipeline parallelism is on, and megatron's own otherwise. Installing again only changes
 the configuration; :func:`uninstall` puts the originals back.
+
+:func:`install` first checks the megatron-core version (versions.py). It also guards megatron's
+own schedule functions in ``megatron.core.pipeline_parallel.schedules`` (no pipelining,
+1F1B, interleaved 1F1B): a training loop that reaches one of them by a name not wrapped here
+(a newer Megatron-LM binding, a direct call) with V-placed chunks (model.py marks them) fails
+naming the problem, instead of running the interleaved order on chunks placed as a V, which
+trains a different model silently.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from dataclasses import dataclass
@@ -16,14 +24,27 @@ from dataclasses import dataclass
 from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, VARIANTS
 from .forward_backward import VShapeForwardBackward, replans
+from .model import is_v_placed
+from .versions import check_megatron_core_version
 
-__all__ = ["VShapeConfig", "install", "uninstall", "OURS"]
+__all__ = ["VShapeConfig", "install", "uninstall", "OURS", "MEGATRON_SCHEDULES",
+           "VPlacementError"]
 
 OURS = ("zb-1p", "v-min", "v-half", "v-zb", "auto")
 """Schedules this plugin runs; 1f1b and interleaved-1f1b stay megatron's own."""
 
 _NAMESPACES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel",
                "megatron.training.training")
+
+_SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+MEGATRON_SCHEDULES = ("forward_backward_no_pipelining",
+                      "forward_backward_pipelining_without_interleaving",
+                      "forward_backward_pipelining_with_interleaving")
+"""megatron's own schedule functions, guarded against V-placed chunks while installed."""
+
+
+class VPlacementError(RuntimeError):
+    """One of megatron's own schedules was given V-placed model chunks."""
 
 
 @dataclass(frozen=True)
@@ -78,22 +99,75 @@ class _Wrapper:
             if config.schedule in OURS else None)
 
     def __call__(self, pp_size=None, vp_size=None, **kwargs):
-        if self.ours is not None and _pipeline_size(pp_size) > 1:
+        """megatron's parameters: (pp_size, vp_size) in 0.16, plus schedule_pg_collection in
+        0.19 (Megatron-LM 0.19's loop passes only that one); others are handed on."""
+        if self.ours is not None and _pipeline_size(pp_size, kwargs) > 1:
             return self.ours
         return self.original(pp_size, vp_size, **kwargs) if (pp_size or vp_size or kwargs) \
             else self.original()
 
 
-def _pipeline_size(pp_size):
+def _pipeline_size(pp_size, kwargs) -> int:
+    """The pipeline size megatron would choose the schedule by: ``pp_size``, else the
+    schedule_pg_collection's pipeline group (megatron-core 0.19), else parallel_state's."""
     if pp_size is not None:
         return pp_size
+    collection = kwargs.get("schedule_pg_collection")
+    if collection is not None:
+        if not hasattr(collection, "pp"):  # 0.19's MultiModuleProcessGroupCollection
+            raise ValueError(
+                f"V and zero-bubble schedules run one model per pipeline; got a "
+                f"{type(collection).__name__} (multi-module pipeline): use --pipeline-schedule "
+                "1f1b (megatron's own) for multi-module pipelines")
+        return collection.pp.size()
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_world_size()
 
 
+def _guarded(function, name: str):
+    """megatron's schedule ``function``, refusing V-placed chunks (see module doc)."""
+
+    @functools.wraps(function)
+    def guarded(*args, **kwargs):
+        model = kwargs.get("model")
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        if any(is_v_placed(c) for c in chunks if c is not None):
+            raise VPlacementError(
+                f"megatron's own {name} was called with V-placed model chunks (built by "
+                "megatron_vshape.megatron.model.build_v_chunk): megatron's schedules run the "
+                "interleaved placement (stage s on rank s % p), not the V, and would train "
+                "another model silently. The training loop reached it through a name "
+                "megatron_vshape.install() does not wrap (it wraps get_forward_backward_func in "
+                f"{', '.join(_NAMESPACES)}): call get_forward_backward_func from one of those, "
+                "or call the function it returns for a V schedule")
+        return function(*args, **kwargs)
+
+    guarded.vshape_original = function
+    return guarded
+
+
+def _guard_megatron_schedules(module) -> None:
+    """Wrap megatron's own schedule functions in ``module`` (idempotent)."""
+    for name in MEGATRON_SCHEDULES:
+        current = getattr(module, name, None)
+        if current is not None and not hasattr(current, "vshape_original"):
+            setattr(module, name, _guarded(current, name))
+
+
+def _unguard_megatron_schedules(module) -> None:
+    for name in MEGATRON_SCHEDULES:
+        current = getattr(module, name, None)
+        if hasattr(current, "vshape_original"):
+            setattr(module, name, current.vshape_original)
+
+
 def install(config: VShapeConfig = VShapeConfig()) -> VShapeConfig:
-    """Route megatron's schedule choice through ``config`` (idempotent; see module doc)."""
+    """Route megatron's schedule choice through ``config`` (idempotent; see module doc).
+
+    Checks the megatron-core version first (versions.check_megatron_core_version: an
+    unsupported one raises, unless VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1)."""
+    check_megatron_core_version()
     found = False
     for name in _NAMESPACES:
         module = _module(name)
@@ -105,16 +179,19 @@ def install(config: VShapeConfig = VShapeConfig()) -> VShapeConfig:
         found = True
     if not found:
         raise ImportError("megatron-core is not importable: pip install 'megatron-core==0.16.*'")
+    _guard_megatron_schedules(sys.modules[_SCHEDULES_MODULE])
     return config
 
 
 def uninstall() -> None:
-    """Restore megatron's own ``get_forward_backward_func`` everywhere."""
+    """Restore megatron's own ``get_forward_backward_func`` and schedule functions."""
     for name in _NAMESPACES:
         module = sys.modules.get(name)
         current = getattr(module, "get_forward_backward_func", None)
         if isinstance(current, _Wrapper):
             module.get_forward_backward_func = current.original
+    if _SCHEDULES_MODULE in sys.modules:
+        _unguard_megatron_schedules(sys.modules[_SCHEDULES_MODULE])
 
 
 def _module(name):

@@ -27,7 +27,12 @@ from .wgrad import defer_weight_grads, with_te_delay_wgrad
 
 __all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "build_v_chunk",
            "v_chunk_config", "finish_v_chunks", "tie_embeddings", "sum_tied_embedding_grads",
-           "check_v_config"]
+           "check_v_config", "V_PLACED", "is_v_placed"]
+
+V_PLACED = "vshape_v_placed"
+"""Attribute set on every chunk :func:`build_v_chunk` builds: megatron's own schedule
+functions refuse such chunks (install.py), since they would run them in the interleaved
+order, whose stage s is on rank s % p, not on the V."""
 
 
 class MirroredGroup:
@@ -95,12 +100,26 @@ def build_v_chunk(model_provider: Callable[..., torch.nn.Module], config, vp_sta
     base = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     first = base.pp.rank() == 0
     if vp_stage == 0:
-        return model_provider(config=config, pre_process=first, post_process=False, vp_stage=0,
-                              pg_collection=base)
-    mirrored = copy.copy(base)
-    mirrored.pp = MirroredGroup(base.pp)
-    return model_provider(config=config, pre_process=False, post_process=first, vp_stage=1,
-                          pg_collection=mirrored)
+        chunk = model_provider(config=config, pre_process=first, post_process=False, vp_stage=0,
+                               pg_collection=base)
+    else:
+        mirrored = copy.copy(base)
+        mirrored.pp = MirroredGroup(base.pp)
+        chunk = model_provider(config=config, pre_process=False, post_process=first, vp_stage=1,
+                               pg_collection=mirrored)
+    setattr(chunk, V_PLACED, True)
+    return chunk
+
+
+def is_v_placed(chunk) -> bool:
+    """Whether ``chunk`` (or the module a DDP / Float16Module wrapper holds) is a V chunk."""
+    seen = 0
+    while chunk is not None and seen < 8:  # wrappers nest a few levels at most
+        if getattr(chunk, "__dict__", {}).get(V_PLACED, False):
+            return True
+        chunk = getattr(chunk, "module", None)
+        seen += 1
+    return False
 
 
 def finish_v_chunks(chunk0, chunk1, defer_wgrad: bool = True, ddp_delay_wgrad: bool = False):

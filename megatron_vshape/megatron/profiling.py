@@ -261,6 +261,10 @@ def time_head(head, seq_length: int, micro_batch_size: int, iters: int, warmup: 
 # -- in the spawned process --------------------------------------------------------------------
 def _measure(rank: int, world: int, request: ProfileRequest) -> dict:
     """Every micro batch size of ``request`` in this (fresh) process: plain numbers back."""
+    if request.device == "cpu":
+        from .cpu import prepare_cpu_imports
+
+        prepare_cpu_imports()
     import megatron.core.models.gpt  # noqa: F401  (before the CPU shims rebind megatron's RNG)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom

@@ -13,9 +13,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_vshape.megatron import tiny_gpt
-from megatron_vshape.megatron.tiny_gpt import global_grads, global_named_parameters, init_by_name  # noqa: F401
-from support.megatron_cpu import allow_sequence_parallel_norms, install_cpu_shims
+from support.megatron_cpu import allow_sequence_parallel_norms, install_cpu_shims  # first: it
+# prepares megatron imports on CPU (megatron-core 0.19's triton)
+from megatron_vshape.megatron import tiny_gpt  # noqa: E402
+from megatron_vshape.megatron.tiny_gpt import global_grads, global_named_parameters, init_by_name  # noqa: F401,E402
 
 TEST_GPT = tiny_gpt.TinyGPT(hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,
                             micro_batch_size=2)
@@ -339,3 +340,43 @@ def checkpoint_round_trip(rank, world, directory, src, dst, num_layers, tied):
     for i, chunk in enumerate(fresh):
         chunk.load_state_dict(loaded[f"model{i}" if len(fresh) > 1 else "model"])
     return {"saved": saved, "loaded": _named_values(fresh)}
+
+
+def megatron_schedules_on_v_chunks(rank, world, num_microbatches=4):
+    """With a V schedule installed, megatron's own schedule functions called directly (as a
+    loop that bypasses the wrapped get_forward_backward_func would) on V chunks, plain and
+    DDP-wrapped: the errors they raise; then megatron's 1F1B on standard chunks, which must
+    still run (its losses), and whether uninstall() put the unguarded functions back."""
+    import megatron_vshape
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    megatron_vshape.install(schedule="v-half")
+    try:
+        chunks = _build("v", world, 2 * world, tied=True)
+        wrapped = _wrap_ddp(chunks[0].config, chunks, {"overlap_grad_reduce": False},
+                            delay_wgrad=True)
+        errors = {}
+        for name, model in (("forward_backward_pipelining_with_interleaving", chunks),
+                            ("forward_backward_pipelining_without_interleaving", wrapped[:1]),
+                            ("forward_backward_no_pipelining", chunks[1])):
+            data = [iter(batches(num_microbatches, 0)) for _ in chunks]
+            try:
+                getattr(schedules, name)(
+                    forward_step_func=forward_step, data_iterator=data, model=model,
+                    num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS)
+                errors[name] = None
+            except Exception as err:  # the test reads type and message
+                errors[name] = f"{type(err).__name__}: {err}"
+        standard = _build("1f1b", world, 2 * world, tied=False)
+        losses = schedules.forward_backward_pipelining_without_interleaving(  # guarded
+            forward_step_func=forward_step, data_iterator=iter(batches(num_microbatches, 0)),
+            model=standard, num_microbatches=num_microbatches, seq_length=SEQ,
+            micro_batch_size=MBS, forward_only=True)
+    finally:
+        megatron_vshape.uninstall()
+        ps.destroy_model_parallel()
+    restored = not hasattr(schedules.forward_backward_pipelining_with_interleaving,
+                           "vshape_original")
+    return {"errors": errors, "losses": [tiny_gpt.loss_value(d) for d in losses],
+            "restored": restored}
