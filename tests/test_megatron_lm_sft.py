@@ -57,9 +57,10 @@ none), PP 2. Megatron-LM core_v0.16.1's own get_batch gives packed_seq_params to
 last pipeline stages only, so its 1f1b is the reference at PP 2, where every stage is one of
 those."""
 LAYOUTS = {"pp2dp2": ([], 4), "pp2": ([], 2),
-           "tp2pp2": (["--tensor-model-parallel-size", "2"], 4)}
+           "tp2pp2": (["--tensor-model-parallel-size", "2"], 4),
+           "pp4": (["--pipeline-model-parallel-size", "4"], 4)}
 """Model flags and processes: PP 2 with data parallelism, alone, or with tensor parallelism
-(the offsets broadcast over TP)."""
+(the offsets broadcast over TP); PP 4 (three ranks of middle stages under a V)."""
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +101,16 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("layout,schedule,reference", [
-    ("pp2dp2", "v-half", "pp2dp2"), ("tp2pp2", "v-min", "pp2"), ("pp2dp2", "zb-1p", "pp2dp2")])
+    ("pp2dp2", "v-half", "pp2dp2"), ("tp2pp2", "v-min", "pp2"), ("pp2dp2", "zb-1p", "pp2dp2"),
+    ("pp4", "v-zb", "pp2")])
 def test_packed_sequences_train_like_1f1b(runs, layout, schedule, reference):
     """Every attention call on every rank got the pack's offsets (strict mode: the runs
     completed), and the schedule trains with 1f1b's lm loss, grad norm and validation loss
-    (zb-1p reads batches with pretrain_gpt's own get_batch, as 1f1b does). TP 2 is
-    compared with 1f1b at TP 1 (same data: DP 1 both): Megatron-LM core_v0.16.1's own --sft
-    batch fails with TP > 1 (its TP ranks disagree on broadcasting max_seqlen, utils.py:621 vs
-    :671-675 make it None)."""
+    (zb-1p reads batches with pretrain_gpt's own get_batch, as 1f1b does). TP 2 and PP 4 are
+    compared with 1f1b at TP 1 x PP 2 (same data: DP 1 both): Megatron-LM core_v0.16.1's own
+    --sft batch fails with TP > 1 (its TP ranks disagree on broadcasting max_seqlen,
+    utils.py:621 vs :671-675 make it None), and at PP > 2 leaves its middle stages without
+    the offsets (test below)."""
     want, _ = _trained(runs, reference, "1f1b")
     got, result = _trained(runs, layout, schedule)
     assert got.iterations() == want.iterations() == list(range(1, ITERS + 1))
@@ -122,6 +125,18 @@ def test_packed_sequences_train_like_1f1b(runs, layout, schedule, reference):
     print(layout, schedule, report)
     assert max(report["loss"], report["grad_norm"], report["valid"]) <= REL, report
     assert all(math.isfinite(x) for x in got.losses())
+
+
+def test_megatrons_own_1f1b_leaves_middle_stages_without_the_offsets(runs):
+    """Not the plugin: Megatron-LM core_v0.16.1's get_batch (pretrain_gpt.py:70-72) returns
+    no packed_seq_params off the first and last pipeline stages, so its 1f1b at PP 4 runs
+    rank 1's attention over whole packs (strict mode stops it there). The V at PP 4 gives
+    every stage the offsets (test above). Fails when megatron fixes it (the 0.19-era
+    pretrain_gpt reads cu_seqlens on every stage): then 1f1b at PP 4 can be the reference."""
+    with pytest.raises(AssertionError) as err:
+        runs("pp4-1f1b", ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "1f1b",
+                          "--train-iters", "1"], 4)
+    assert "attention of layer 3 ran without packed_seq_params under --sft" in str(err.value)
 
 
 def test_packed_seq_params_are_megatrons_thd_of_one_pack():
