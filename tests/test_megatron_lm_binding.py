@@ -1,5 +1,6 @@
-"""The start-up check that Megatron-LM's loop will call the plugin's schedule
-(megatron_lm_patch.check_schedule_binding), against stand-ins of megatron.training.training.
+"""The start-up checks of patch_megatron_lm: the megatron-core version first (versions.py), and
+that Megatron-LM's loop will call the plugin's schedule (check_schedule_binding), against
+stand-ins of megatron.training.training.
 
 The real training code passes it in both real-loop tiers (tests/test_megatron_lm_e2e.py,
 tests/test_megatron_lm_019.py, which look for its log line); here each way the binding can be
@@ -93,3 +94,17 @@ def test_megatrons_own_schedules_need_no_check(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="megatron_vshape"):
         check_schedule_binding(VShapeConfig(schedule="1f1b"))
     assert "get their schedule from the plugin's" not in caplog.text
+
+
+def test_patch_megatron_lm_refuses_an_unsupported_megatron_core_first(monkeypatch):
+    """patch_megatron_lm asks versions.check_megatron_core_version before it imports or
+    patches anything of Megatron-LM's."""
+    from megatron_vshape.megatron import versions
+    from megatron_vshape.megatron.megatron_lm_patch import patch_megatron_lm
+
+    monkeypatch.setattr(versions, "installed_megatron_core_version", lambda: "0.18.0")
+    monkeypatch.delenv(versions.OVERRIDE_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "megatron.training", None)  # importing it would fail
+    with pytest.raises(versions.UnsupportedMegatronError, match=r"megatron-core 0\.18\.0 is not "
+                                                                "supported"):
+        patch_megatron_lm()

@@ -2,7 +2,9 @@
 
 Two training loops are supported (:data:`SUPPORTED`): Megatron-LM tag core_v0.16.1 with
 megatron-core 0.16, and the 0.19-era training code (Megatron-LM main at 54045a5) with
-megatron-core 0.19.2. Each change below is found by the name it replaces, not by a version.
+megatron-core 0.19.2; :func:`patch_megatron_lm` first refuses another megatron-core
+(versions.check_megatron_core_version). Each change below is found by the name it replaces,
+not by a version.
 :func:`patch_megatron_lm` makes the changes that pretrain()'s arguments cannot express (the
 only code here that imports ``megatron.training``; the script calls it before pretrain())::
 
@@ -58,7 +60,11 @@ _SCHEDULE_CALLERS = ("train", "evaluate")
 
 
 def patch_megatron_lm() -> None:
-    """Make Megatron-LM's pretrain() run the plugin's schedules (idempotent; module doc)."""
+    """Make Megatron-LM's pretrain() run the plugin's schedules (idempotent; module doc).
+    An unsupported megatron-core stops here, before anything is patched (versions.py)."""
+    from .versions import check_megatron_core_version
+
+    check_megatron_core_version()
     from megatron.training import training
 
     _wrap_validate_args()
