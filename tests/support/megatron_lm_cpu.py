@@ -240,21 +240,17 @@ def _let_megatron_import() -> None:
     """What the 0.19-era training code needs to import on Python 3.11 with CPU torch
     (../shared/megatron-lm-0.19/README.md); nothing changes for core_v0.16.1.
 
-    - megatron-core >= 0.17 imports triton at module level (core/transformer/moe/ops/
-      paged_stash.py:9, core/fusions/fused_indices_converter.py:16, the inference modules):
-      the plugin's CPU stand-in, installed before any megatron import.
     - training/models/gpt.py:5 and models/hybrid.py:5 import ``typing.override`` (Python
-      3.12): typing_extensions' identical decorator, where typing lacks it.
+      3.12): the plugin's identity stand-in, where typing lacks it.
+    - megatron-core >= 0.17 imports triton at module level (core/transformer/moe/ops/
+      paged_stash.py:4, core/fusions/fused_indices_converter.py:12-15, the inference modules):
+      the plugin's CPU stand-in, installed before any megatron import; not for 0.16, whose
+      tier runs as before without one (:func:`_stand_in_batch_invariant_kernels`).
     """
-    import typing
+    from megatron_vshape.megatron.cpu import install_triton_stand_in, install_typing_override
 
-    if not hasattr(typing, "override"):
-        import typing_extensions
-
-        typing.override = typing_extensions.override
+    install_typing_override()
     if _megatron_core_minor() >= 17:
-        from megatron_vshape.megatron.cpu import install_triton_stand_in
-
         install_triton_stand_in()
 
 
