@@ -7,6 +7,7 @@ pytest.importorskip("torch")
 from support.megatron_cpu import importorskip_megatron  # noqa: E402
 
 importorskip_megatron()
+pytestmark = pytest.mark.megatron_versions  # all of it: one process, seconds, and the gloo guard
 
 import megatron.core.pipeline_parallel as pipeline_parallel  # noqa: E402
 import megatron.core.pipeline_parallel.schedules as schedules  # noqa: E402
@@ -147,7 +148,6 @@ def test_v_marker_is_found_through_wrappers():
     assert is_v_placed(chunk) and is_v_placed(wrapper)
 
 
-@pytest.mark.megatron_versions
 def test_megatrons_schedules_refuse_v_chunks_while_installed():
     """A loop reaching megatron's interleaved (or 1F1B, or no-pipelining) function by a name
     install() does not wrap fails naming the problem, instead of running the interleaved order

@@ -23,13 +23,16 @@ from ..schedule.model.placement import stage_layer_counts
 __all__ = ["stage_layers", "patch_layer_placement"]
 
 _ATTR = "vshape_stage_layers"
+_SPECS = ("megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs",
+          "megatron.core.models.gpt.experimental_attention_variant_module_specs")
+"""Layer-spec modules that bind both names too (megatron-core 0.16 and 0.19)."""
 _BINDINGS = {
     "get_transformer_layer_offset": ("megatron.core.transformer.transformer_layer",
                                      "megatron.core.transformer.transformer_block",
                                      "megatron.core.models.gpt.gpt_layer_specs",
-                                     "megatron.core.transformer.multi_token_prediction"),
+                                     "megatron.core.transformer.multi_token_prediction") + _SPECS,
     "get_num_layers_to_build": ("megatron.core.transformer.transformer_block",
-                                "megatron.core.models.gpt.gpt_layer_specs"),
+                                "megatron.core.models.gpt.gpt_layer_specs") + _SPECS,
 }
 
 
@@ -74,10 +77,19 @@ def patch_layer_placement() -> None:
     wrappers = {"get_transformer_layer_offset": _offset, "get_num_layers_to_build": _count}
     for name, modules in _BINDINGS.items():
         for module_name in modules:
-            module = importlib.import_module(module_name)
+            module = _importable(module_name)
             current = getattr(module, name, None)
             if current is not None and not hasattr(current, "vshape_original"):
                 setattr(module, name, wrappers[name](current))
+
+
+def _importable(module_name: str):
+    """The module, or None where this megatron-core has no such module (the spec modules
+    come and go between releases; the ones the V builds with always exist)."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError:
+        return None
 
 
 def with_stage_layers(config, ranks: int):
