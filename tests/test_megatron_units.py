@@ -36,6 +36,23 @@ def test_install_is_idempotent_reversible_and_delegates():
     assert pipeline_parallel.get_forward_backward_func is original
 
 
+def test_wrapper_reads_the_pipeline_size_of_019s_schedule_pg_collection():
+    """Megatron-LM 0.19's loop calls get_forward_backward_func(schedule_pg_collection=...)
+    with no sizes: the V schedule is chosen by that collection's pipeline group, and a
+    multi-module collection (no single pipeline) is refused by name."""
+    pipeline = types.SimpleNamespace(pp=types.SimpleNamespace(size=lambda: 4))
+    multi = types.SimpleNamespace(module_pgs={})
+    try:
+        megatron_vshape.install(schedule="v-half")
+        fb = schedules.get_forward_backward_func(schedule_pg_collection=pipeline)
+        assert isinstance(fb, VShapeForwardBackward) and fb.schedule == "v-half"
+        with pytest.raises(ValueError, match="SimpleNamespace \\(multi-module pipeline\\): use "
+                                             "--pipeline-schedule 1f1b"):
+            schedules.get_forward_backward_func(schedule_pg_collection=multi)
+    finally:
+        megatron_vshape.uninstall()
+
+
 def test_bad_settings_name_the_setting_and_the_choices():
     with pytest.raises(ValueError, match="valid choices: 1f1b"):
         VShapeConfig(schedule="v-quarter")
