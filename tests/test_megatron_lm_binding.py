@@ -108,3 +108,21 @@ def test_patch_megatron_lm_refuses_an_unsupported_megatron_core_first(monkeypatc
     with pytest.raises(versions.UnsupportedMegatronError, match=r"megatron-core 0\.18\.0 is not "
                                                                 "supported"):
         patch_megatron_lm()
+
+
+def test_yaml_config_is_refused_where_megatron_lm_validates_it(monkeypatch):
+    """--yaml-cfg replaces the command-line flags and skips validate_args (the plugin's hook):
+    patch_megatron_lm makes validate_yaml, wherever Megatron-LM looks it up, refuse it."""
+    from megatron_vshape.megatron.megatron_lm_patch import _refuse_yaml_config
+
+    modules = {}
+    for name in ("megatron.training.yaml_arguments", "megatron.training.initialize"):
+        modules[name] = types.ModuleType(name)
+        modules[name].validate_yaml = lambda args, defaults={}: args
+        monkeypatch.setitem(sys.modules, name, modules[name])
+    _refuse_yaml_config()
+    _refuse_yaml_config()  # idempotent
+    for module in modules.values():
+        with pytest.raises(ValueError, match="does not support --yaml-cfg.*pass the flags on the "
+                                             "command line"):
+            module.validate_yaml(types.SimpleNamespace(yaml_cfg="run.yaml"))

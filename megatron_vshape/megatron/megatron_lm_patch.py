@@ -19,6 +19,9 @@ only code here that imports ``megatron.training``; the script calls it before pr
     training.DistributedDataParallelConfig
               delay_wgrad_compute=True, so DDP's hooks wait for W (the model's own
               TransformerConfig must not get it: megatron allows it for MoE only)
+    validate_yaml (--yaml-cfg)
+              refused: Megatron-LM replaces the command-line flags by the YAML file's and
+              validates them without validate_args, so the plugin would never be installed
     training.load_checkpoint
               refuses distributed-optimizer state of another chunk layout (checkpoints.py)
     training.report_theoretical_memory
@@ -54,6 +57,10 @@ _VALIDATE_ARGS_CALLERS = ("megatron.training.initialize", "megatron.training.arg
 """Modules whose code calls ``validate_args`` by its module-global name: core_v0.16.1's
 initialize_megatron (initialize.py:92) and 0.19's parse_and_validate_args (arguments.py:107)."""
 
+_VALIDATE_YAML_CALLERS = ("megatron.training.yaml_arguments", "megatron.training.initialize")
+"""Where Megatron-LM looks up ``validate_yaml`` for --yaml-cfg: core_v0.16.1's initialize.py:90
+(imported by name at :36), 0.19's arguments.py:103 (from yaml_arguments when called)."""
+
 _SCHEDULE_CALLERS = ("train", "evaluate")
 """megatron.training.training's functions that pick the schedule by calling
 ``get_forward_backward_func`` (core_v0.16.1 training.py:2607/3070, 0.19 :3614/:4198)."""
@@ -68,6 +75,7 @@ def patch_megatron_lm() -> None:
     from megatron.training import training
 
     _wrap_validate_args()
+    _refuse_yaml_config()
     if not getattr(training.DistributedDataParallelConfig, "vshape_delayed", False):
         training.DistributedDataParallelConfig = _delayed_wgrad_ddp_config(
             training.DistributedDataParallelConfig)
@@ -91,6 +99,30 @@ def _wrap_validate_args() -> None:
         _validating(current)
     for module in bound:
         module.validate_args = wrapper
+
+
+def _refuse_yaml_config() -> None:
+    """--yaml-cfg replaces every command-line flag (--pipeline-schedule too) by the YAML
+    file's and validates them with validate_yaml, which the plugin does not wrap: a V run
+    would reach the model provider without two chunks per rank, a zb-1p run would run megatron's
+    1F1B with W deferred. Refused up front, with the way out."""
+    import importlib
+
+    for name in _VALIDATE_YAML_CALLERS:
+        module = importlib.import_module(name)
+        if hasattr(module, "validate_yaml") and \
+                not getattr(module.validate_yaml, "vshape_refused", False):
+            module.validate_yaml = _yaml_refused
+
+
+def _yaml_refused(args, defaults={}):
+    raise ValueError("scripts/pretrain_gpt_vshape.py does not support --yaml-cfg: Megatron-LM "
+                     "replaces the command-line flags (--pipeline-schedule among them) by the "
+                     "YAML file's and validates them without the plugin; pass the flags on the "
+                     "command line instead")
+
+
+_yaml_refused.vshape_refused = True
 
 
 def check_schedule_binding(config: VShapeConfig) -> None:
