@@ -50,13 +50,16 @@ def test_missing_megatron_core_is_an_import_error(monkeypatch):
         check_megatron_core_version(environ={})
 
 
-def test_installed_version_is_the_distributions_without_importing_it():
+def test_installed_version_is_the_distributions():
+    """Both readings (the package_info.py an import would load, read as text, and the
+    distribution's metadata) agree with what CI installed, and it is supported."""
     pytest.importorskip("torch")  # the megatron tier's environments
     try:
-        expected = importlib.metadata.version("megatron-core")
+        expected = importlib.metadata.version("megatron-core").split("+")[0]
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("megatron-core is not installed")
-    assert versions.installed_megatron_core_version() == expected.split("+")[0]
+    assert versions._source_version() == expected
+    assert versions.installed_megatron_core_version() == expected
     assert is_supported(expected), f"CI runs megatron-core {expected}: not a supported release"
 
 
