@@ -7,8 +7,9 @@ workers, which import it at the top of theirs.
 """
 import pytest
 
-from megatron_vshape.megatron.cpu import (SequenceParallelLayerNorm, allow_sequence_parallel_norms,  # noqa: F401
-                                          install_cpu_shims, prepare_cpu_imports)
+from megatron_vshape.megatron.cpu import (SequenceParallelLayerNorm,  # noqa: F401
+                                          allow_sequence_parallel_norms, install_cpu_shims,
+                                          prepare_cpu_imports)
 
 prepare_cpu_imports()
 

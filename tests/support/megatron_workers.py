@@ -16,7 +16,8 @@ import torch.distributed as dist
 from support.megatron_cpu import allow_sequence_parallel_norms, install_cpu_shims  # first: it
 # prepares megatron imports on CPU (megatron-core 0.19's triton)
 from megatron_vshape.megatron import tiny_gpt  # noqa: E402
-from megatron_vshape.megatron.tiny_gpt import global_grads, global_named_parameters, init_by_name  # noqa: F401,E402
+from megatron_vshape.megatron.tiny_gpt import (  # noqa: F401,E402
+    global_grads, global_named_parameters, init_by_name)
 
 TEST_GPT = tiny_gpt.TinyGPT(hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,
                             micro_batch_size=2)
