@@ -99,13 +99,15 @@ def pp4_uneven_tied():
 
 
 VERSIONS = pytest.mark.megatron_versions
-"""CI runs these under megatron-core 0.19.2 too (.ci/megatron-0.19): V model build, losses and
-gradients equal to megatron's own 1F1B (tied and untied, PP 2 and 4, DDP with W-started bucket
-reductions), checkpoints between V and standard models."""
+"""CI runs these under megatron-core 0.19.2 too (.ci/megatron-0.19): V model build (uneven
+layers through megatron's placement functions), losses and gradients equal to megatron's own
+1F1B (tied and untied, PP 2 and 4, DDP with W-started bucket reductions, the deferred W of
+tensor- and sequence-parallel linears), checkpoints between V and standard models."""
 
 FIXTURES = [pytest.param("pp2_untied", marks=VERSIONS), pytest.param("pp4_tied", marks=VERSIONS),
             pytest.param("pp2_dp2_tied_overlap", marks=VERSIONS), "pp2_distopt_tied",
-            "pp2_tp2_tied", "pp2_tp2_sp_ddp", "pp4_uneven_tied"]
+            "pp2_tp2_tied", pytest.param("pp2_tp2_sp_ddp", marks=VERSIONS),
+            pytest.param("pp4_uneven_tied", marks=VERSIONS)]
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
