@@ -1,9 +1,9 @@
-"""CPU shims so megatron-core 0.16 runs on gloo processes: the one place they live.
+"""CPU shims so megatron-core (0.16, 0.19) runs on gloo processes: the one place they live.
 
 For the tests and the CPU demo (``vshape demo``) only; never imported on GPU clusters.
 megatron-core assumes CUDA in a few places (see ../shared/reference/megatron-core.md); each
-patch below names the assumption it removes. Call :func:`install_cpu_shims` once per process,
-before building models. They patch torch and megatron process-wide, which is why only spawned
+patch below names the assumption it removes. Call :func:`prepare_cpu_imports` before the
+first megatron import and :func:`install_cpu_shims` once per process, before building models. They patch torch and megatron process-wide, which is why only spawned
 worker processes call them.
 """
 import contextlib
