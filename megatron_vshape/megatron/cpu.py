@@ -3,8 +3,9 @@
 For the tests and the CPU demo (``vshape demo``) only; never imported on GPU clusters.
 megatron-core assumes CUDA in a few places (see ../shared/reference/megatron-core.md); each
 patch below names the assumption it removes. Call :func:`prepare_cpu_imports` before the
-first megatron import and :func:`install_cpu_shims` once per process, before building models. They patch torch and megatron process-wide, which is why only spawned
-worker processes call them.
+first megatron import and :func:`install_cpu_shims` once per process, before building
+models. They patch torch and megatron process-wide, which is why only spawned worker
+processes (and the demo's parent, for the imports) call them.
 """
 import contextlib
 import importlib
