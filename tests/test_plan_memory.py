@@ -10,7 +10,10 @@ so a formula that drifts shows.
 """
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("torch")
+from support.megatron_cpu import importorskip_megatron  # noqa: E402
+
+importorskip_megatron()
 
 from megatron_vshape.plan import load_model_config  # noqa: E402
 from megatron_vshape.plan.candidates import GridPoint  # noqa: E402
