@@ -339,7 +339,7 @@ def test_launcher_in_slurm_starts_one_torchrun_per_node(tmp_path):
 
 
 @pytest.mark.parametrize("unset, set_, message", [
-    ("MEGATRON_LM", {}, "set MEGATRON_LM: path to a Megatron-LM checkout at tag core_v0.16.1"),
+    ("MEGATRON_LM", {}, "set MEGATRON_LM: path to a Megatron-LM checkout (core_v0.16.1, or the 0.19-era code)"),
     ("DATA_PATH", {}, "set DATA_PATH"),
     (None, {"DATA_PATH": "/data/x"}, "set a tokenizer: VOCAB_FILE and MERGE_FILE, or TOKENIZER_MODEL"),
     (None, {"DATA_PATH": "/data/x", "VOCAB_FILE": "/v.json"}, "set MERGE_FILE"),

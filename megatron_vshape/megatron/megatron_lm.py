@@ -1,12 +1,13 @@
-"""Megatron-LM (tag core_v0.16.1) glue: the flags, their checks, and a V-aware model provider,
-batch and forward step for ``scripts/pretrain_gpt_vshape.py``.
+"""Megatron-LM glue (tag core_v0.16.1 and the 0.19-era training code): the flags, their checks,
+and a V-aware model provider, batch and forward step for ``scripts/pretrain_gpt_vshape.py``.
 
 Nothing here imports ``megatron.training``: the parts that can be tested on CPU (arguments,
 provider, batch, forward step) take plain values. What must change inside Megatron-LM's own
 functions is megatron_lm_patch.py's job.
 
 Under a V, pipeline rank 0 holds both ends of the model (embedding and LM head), so it needs
-the tokens *and* the labels of every microbatch; the other ranks read no data.
+the tokens *and* the labels of every microbatch; the other ranks read no data, except the
+documents' boundaries of packed sequences (--sft), which every stage's attention needs.
 """
 from __future__ import annotations
 
