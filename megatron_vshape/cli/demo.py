@@ -61,10 +61,7 @@ def _tiny_from_config(path):
     from ..megatron.tiny_gpt import TinyGPT
     from ..plan.model import load_model_config
 
-    m = load_model_config(path)
-    return TinyGPT(num_layers=m.num_layers, hidden_size=m.hidden_size,
-                   num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn,
-                   vocab_size=m.vocab_size, seq_length=m.seq_length, micro_batch_size=2)
+    return TinyGPT.from_model(load_model_config(path), micro_batch_size=2)
 
 
 def _demo(args) -> int:

@@ -18,12 +18,11 @@ cannot be slowed per pass, so the emulated 1F1B is the same order run by our run
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import statistics
 import time
 from dataclasses import dataclass, field
 
+from .pipeline_world import forward_progress, model_parallel, no_gc_pauses, two_chunks
 from .tiny_gpt import TinyGPT
 
 __all__ = ["DemoSettings", "ScheduleRun", "run_schedules", "DEMO_SCHEDULES", "DEVICE_RATIOS"]
@@ -117,8 +116,6 @@ def run_schedules(settings: DemoSettings, schedules, on_done=None) -> dict[str, 
     """Train ``settings.steps`` iterations under each schedule, one after the other, on one
     world of local gloo processes (spawning costs seconds, so the schedules share it).
     ``on_done(name)`` is called as each schedule finishes (progress)."""
-    import threading
-
     import torch.multiprocessing as mp
 
     from ..runtime.launch import run_gloo
@@ -127,24 +124,13 @@ def run_schedules(settings: DemoSettings, schedules, on_done=None) -> dict[str, 
     prepare_cpu_imports()  # the ranks' results hold megatron objects: unpickled here
 
     done = mp.get_context("spawn").Queue()
-    watcher = threading.Thread(target=_report, args=(done, on_done, len(schedules)), daemon=True)
-    watcher.start()
-    outcomes = run_gloo(_worker, settings.ranks, settings, tuple(schedules), done, timeout=1800)
-    done.put(None)
-    watcher.join(timeout=5)
+    with forward_progress(done, on_done, len(schedules)):
+        outcomes = run_gloo(_worker, settings.ranks, settings, tuple(schedules), done,
+                            timeout=1800)
     failed = [o for o in outcomes if not o.ok]
     if failed:
         raise RuntimeError(f"rank {failed[0].rank} failed: {failed[0].error}")
     return {name: _merge(name, [o.value[name] for o in outcomes]) for name in schedules}
-
-
-def _report(done, on_done, count: int) -> None:
-    for _ in range(count):
-        name = done.get()
-        if name is None:
-            return
-        if on_done is not None:
-            on_done(name)
 
 
 def _merge(schedule: str, values: list, statistic=statistics.median) -> ScheduleRun:
@@ -197,9 +183,9 @@ def _worker(rank: int, world: int, settings: DemoSettings, schedules, done) -> d
 
     out = {}
     costs = settings.emulated_costs()
-    layout, groups = None, {}  # groups: our stream groups, shared by all runs (see _model_parallel)
+    layout, groups = None, {}  # groups: our stream groups, shared by all runs (see model_parallel)
     for schedule in schedules:
-        layout = _model_parallel(settings, _two_chunks(schedule), layout)
+        layout = model_parallel(settings.ranks, two_chunks(schedule), layout)
         out[schedule] = _train(settings, *_build(settings, schedule, groups), settings.steps)
         if costs is not None:
             out[schedule]["emulated"] = _train(
@@ -208,29 +194,6 @@ def _worker(rank: int, world: int, settings: DemoSettings, schedules, done) -> d
             done.put(schedule)
     ps.destroy_model_parallel()
     return out
-
-
-def _two_chunks(schedule: str) -> bool:
-    return schedule not in ("1f1b", "zb-1p")
-
-
-def _model_parallel(settings: DemoSettings, two_chunks: bool, current: bool | None) -> bool:
-    """Initialize megatron's groups for the chunk layout (V: the embedding group joins rank 0's
-    two chunks) unless they are up already. Once per layout, not per run: megatron's
-    destroy_model_parallel forgets its groups without destroying them, and every gloo group
-    keeps a thread that wakes every 10 ms: dozens per run slowed the later runs' steps down."""
-    import megatron.core.models.gpt  # noqa: F401  (before the shims rebind megatron's RNG)
-    from megatron.core import parallel_state as ps
-
-    from .model import v_embedding_ranks
-
-    if current == two_chunks:
-        return two_chunks
-    if current is not None:
-        ps.destroy_model_parallel()
-    kwargs = {"get_embedding_ranks": v_embedding_ranks} if two_chunks else {}
-    ps.initialize_model_parallel(pipeline_model_parallel_size=settings.ranks, **kwargs)
-    return two_chunks
 
 
 def _build(settings: DemoSettings, schedule: str, groups: dict, emulate=None):
@@ -247,12 +210,11 @@ def _build(settings: DemoSettings, schedule: str, groups: dict, emulate=None):
     from .wgrad import defer_weight_grads
     from ..runtime.wgrad import WeightGradStore
 
-    two_chunks = _two_chunks(schedule)
     model_parallel_cuda_manual_seed(123)
     config = settings.model.transformer_config(settings.ranks)
     provider = settings.model.provider(settings.tied)
     r, p = ps.get_pipeline_model_parallel_rank(), settings.ranks
-    if two_chunks:
+    if two_chunks(schedule):
         chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
     else:
         chunks = [provider(config=config, pre_process=r == 0, post_process=r == p - 1)]
@@ -287,7 +249,7 @@ def _train(settings: DemoSettings, chunks, fb, steps: int) -> dict:
             p.grad = None
         data = [iter(batches(settings.model, settings.microbatches, step)) for _ in chunks]
         tracker.reset_peak()
-        with _no_gc_pauses(), tracker.saved_tensors_hooks():
+        with no_gc_pauses(), tracker.saved_tensors_hooks():
             dist.barrier()
             begin = time.perf_counter()
             losses = fb(forward_step_func=forward_step,
@@ -306,23 +268,6 @@ def _train(settings: DemoSettings, chunks, fb, steps: int) -> dict:
                 p -= 0.01 * p.grad
     out.update(_schedule_facts(fb, settings))
     return out
-
-
-@contextlib.contextmanager
-def _no_gc_pauses():
-    """No garbage collection inside the step: a full collection pauses one process for tens of
-    milliseconds and stalls the whole pipeline (Megatron-LM's --manual-gc exists for the same
-    reason; runtime/toy_run.py does the same), so collect before the step instead."""
-    gc.collect()
-    gc.freeze()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-        gc.unfreeze()
 
 
 def _schedule_facts(fb, settings: DemoSettings) -> dict:

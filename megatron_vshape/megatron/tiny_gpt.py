@@ -35,6 +35,15 @@ class TinyGPT:
     seq_length: int = 8
     micro_batch_size: int = 2
 
+    @classmethod
+    def from_model(cls, model, micro_batch_size: int = 2) -> "TinyGPT":
+        """The shape of a planner :class:`..plan.model.ModelConfig` (bundled or a file), so that
+        what runs is what the planner predicts for."""
+        return cls(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                   num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn,
+                   vocab_size=model.vocab_size, seq_length=model.seq_length,
+                   micro_batch_size=micro_batch_size)
+
     def transformer_config(self, pp: int, tp: int = 1, **overrides):
         """megatron's TransformerConfig for this model on ``pp`` x ``tp`` ranks (CPU, fp32)."""
         from megatron.core.transformer.transformer_config import TransformerConfig
