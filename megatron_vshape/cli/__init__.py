@@ -3,7 +3,8 @@
 Each module registers its own subcommands (``register(subparsers)``, each parser carrying its
 ``handler``): ``demo`` (the main job: a tiny GPT on CPU under every schedule), ``schedules``
 (simulate, render, export, compare, search, frontier), ``plan`` (the planner), ``profile``
-(measured costs for ``plan --profile``), ``experiments`` (grid, collect).
+(measured costs for ``plan --profile``), ``experiments`` (grid, collect), ``gpu-check``
+(every schedule and the planner checked on one device in one call).
 """
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import sys
 
 from .. import __version__
 from ..schedule import ScheduleError
-from . import demo, experiments, plan, profile, schedules
+from . import demo, experiments, gpu_check, plan, profile, schedules
 
 __all__ = ["main", "build_parser"]
 
-_MODULES = (demo, schedules, plan, profile, experiments)
+_MODULES = (demo, schedules, plan, profile, experiments, gpu_check)
 
 
 def build_parser() -> argparse.ArgumentParser:

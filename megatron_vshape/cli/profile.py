@@ -39,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--layers", type=int, metavar="N",
                    help="layers in the timed stack, at most the model's (default 4 or the "
                         "model's, if fewer; times are per layer)")
+    p.add_argument("--tensor-parallel", type=int, nargs="+", default=[1], metavar="T",
+                   help="TP sizes: measure one TP shard's layer (heads, FFN and vocabulary / T) "
+                        "on this one device, no TP communication (default 1)")
     p.add_argument("--iters", type=int, default=5, metavar="N",
                    help="timed iterations per micro batch size; the median is written "
                         "(default %(default)s)")
@@ -57,11 +60,12 @@ def register(sub) -> None:
     p.set_defaults(handler=_profile)
 
 
-def _command(args, seq_length: int, sizes: tuple[int, ...], layers: int, device: str,
-             output: str) -> str:
+def profile_command(args, seq_length: int, sizes: tuple[int, ...], layers: int, device: str,
+                    output: str, tps: tuple[int, ...] = (1,)) -> str:
     """The command line with every setting spelled out: what the file records to re-measure."""
     words = ["vshape", "profile", "--model", args.model, "--seq-length", str(seq_length),
              "--micro-batch-sizes", *map(str, sizes), "--layers", str(layers),
+             *(["--tensor-parallel", *map(str, tps)] if tps != (1,) else []),
              "--iters", str(args.iters), "--warmup", str(args.warmup), "--device", device]
     if device == "cpu":
         words += ["--threads", str(args.threads)]
@@ -85,15 +89,17 @@ def _profile(args) -> int:
     seq_length = args.seq_length or model.seq_length
     sizes = tuple(sorted(set(args.micro_batch_sizes)))
     output = args.output or f"{device}-{model.name}.yaml"
+    tps = tuple(sorted(set(args.tensor_parallel)))
     request = ProfileRequest(model, seq_length, sizes, layers, args.iters, args.warmup,
-                             device, args.threads if device == "cpu" else None, not args.no_head)
-    command = _command(args, seq_length, sizes, layers, device, output)
+                             device, args.threads if device == "cpu" else None, not args.no_head,
+                             tps)
+    command = profile_command(args, seq_length, sizes, layers, device, output, tps)
     profile = profile_model(request, command)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(output).write_text(format_profile(profile, _comment(profile)))
+    Path(output).write_text(format_profile(profile, profile_comment(profile)))
     for m in profile.measurements:
         head = f", head F {m.head.forward:.3g} B {m.head.backward:.3g}" if m.head else ""
-        print(f"micro batch {m.micro_batch_size}: per layer F {m.layer.forward:.3g} s, "
+        print(f"micro batch {m.micro_batch_size}, TP {m.tensor_parallel}: per layer F {m.layer.forward:.3g} s, "
               f"B {m.layer.backward:.3g} s, W {m.layer.weight:.3g} s, "
               f"{m.activation_bytes_per_layer} bytes kept{head}")
     print(f"backward_leftover {profile.backward_leftover:.3g} (share of the bytes B leaves "
@@ -102,7 +108,7 @@ def _profile(args) -> int:
     return 0
 
 
-def _comment(profile) -> str:
+def profile_comment(profile) -> str:
     machine = profile.machine
     return (f"Measured by `vshape profile` on {machine.device} ({machine.kind}, {machine.dtype}): "
             "per transformer layer, median\nseconds of F, B (input gradient) and W (weight "

@@ -38,7 +38,8 @@ from ..plan.model import ModelConfig
 from ..plan.profile_file import Machine, MeasuredProfile, Measurement
 
 __all__ = ["ProfileRequest", "StackResult", "LayerStack", "default_device", "build_stack",
-           "time_stack", "build_head", "time_head", "profile_model"]
+           "time_stack", "build_head", "time_head", "profile_model", "profile_models", "shard",
+           "cpu_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +69,17 @@ class ProfileRequest:
     by default: each rank of a CPU pipeline (``vshape demo``) is one single-threaded process."""
     head: bool = True
     """Also measure the LM head's F and B."""
+    tensor_parallel: tuple[int, ...] = (1,)
+    """TP sizes whose one-shard shapes are measured on this one device: heads, query groups,
+    FFN width and vocabulary divided by TP, head size kept (megatron's ``kv_channels``); no TP
+    communication and no sequence parallelism, so the times are a shard's compute only."""
 
     def __post_init__(self) -> None:
         at_least = {"--seq-length": (self.seq_length, 1), "--layers": (self.layers, 1),
                     "--iters": (self.iters, 1), "--warmup": (self.warmup, 0),
                     "--micro-batch-sizes": (min(self.micro_batch_sizes, default=0), 1),
-                    "--threads": (1 if self.threads is None else self.threads, 1)}
+                    "--threads": (1 if self.threads is None else self.threads, 1),
+                    "--tensor-parallel": (min(self.tensor_parallel, default=0), 1)}
         for flag, (value, least) in at_least.items():
             if value < least:
                 raise ValueError(f"{flag} must be >= {least}, got {value}")
@@ -81,6 +87,12 @@ class ProfileRequest:
             raise ValueError(f"--device must be one of {', '.join(_DTYPES)}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
+        m = self.model
+        for tp in self.tensor_parallel:
+            if m.num_attention_heads % tp or m.query_groups % tp or m.ffn % tp:
+                raise ValueError(f"--tensor-parallel {tp}: {m.name}'s attention heads "
+                                 f"({m.num_attention_heads}), query groups and FFN width "
+                                 f"({m.ffn}) must be multiples of it")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,11 +130,25 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _config(model: ModelConfig, layers: int, dtype: torch.dtype, device: str):
+def shard(model: ModelConfig, tp: int) -> ModelConfig:
+    """One TP rank's shapes as a model of its own (see ProfileRequest.tensor_parallel): its
+    layers keep the head size through ``kv_channels`` (:func:`_config`)."""
+    if tp == 1:
+        return model
+    return model.with_overrides(
+        num_attention_heads=model.num_attention_heads // tp, ffn_hidden_size=model.ffn // tp,
+        num_query_groups=None if model.num_query_groups is None else model.num_query_groups // tp,
+        vocab_size=model.vocab_size // tp)
+
+
+def _config(model: ModelConfig, layers: int, dtype: torch.dtype, device: str,
+            kv_channels: int | None = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = {"gated_linear_unit": True, "activation_func": torch.nn.functional.silu} \
         if model.swiglu else {}
+    if kv_channels is not None:
+        extra["kv_channels"] = kv_channels
     return TransformerConfig(
         num_layers=layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
@@ -132,7 +158,8 @@ def _config(model: ModelConfig, layers: int, dtype: torch.dtype, device: str):
 
 
 def build_stack(model: ModelConfig, seq_length: int, layers: int, dtype: torch.dtype,
-                device: str, split: bool = True, te: bool = False) -> LayerStack:
+                device: str, split: bool = True, te: bool = False,
+                kv_channels: int | None = None) -> LayerStack:
     """``layers`` transformer layers of ``model`` (megatron's parallel state must be set up);
     with ``split`` the linears' weight gradients go through a W store, else megatron's own
     fused backward runs. ``te``: Transformer Engine layers (GPU)."""
@@ -142,7 +169,7 @@ def build_stack(model: ModelConfig, seq_length: int, layers: int, dtype: torch.d
     from ..runtime.wgrad import WeightGradStore
     from .wgrad import defer_weight_grads, te_wgrad_modules, with_te_delay_wgrad
 
-    config = _config(model, layers, dtype, device)
+    config = _config(model, layers, dtype, device, kv_channels)
     spec = specs.get_gpt_layer_with_transformer_engine_spec() if te else \
         specs.get_gpt_layer_local_spec()
     if te and split:
@@ -222,13 +249,14 @@ def _b_pass(stack: LayerStack, output: torch.Tensor, dy: torch.Tensor, microbatc
             stack.store.defer(module.backward_dw)
 
 
-def build_head(model: ModelConfig, seq_length: int, dtype: torch.dtype, device: str):
+def build_head(model: ModelConfig, seq_length: int, dtype: torch.dtype, device: str,
+               kv_channels: int | None = None):
     """The final norm, LM head and loss of ``model`` (a GPTModel's post-process part; its one
     transformer layer is built but never run). Untied: the head's passes cost the same."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(_config(model, 1, dtype, device), get_gpt_layer_local_spec(),
+    return GPTModel(_config(model, 1, dtype, device, kv_channels), get_gpt_layer_local_spec(),
                     vocab_size=model.vocab_size, max_sequence_length=seq_length,
                     pre_process=False, post_process=True,
                     share_embeddings_and_output_weights=False).to(device=device, dtype=dtype)
@@ -261,6 +289,32 @@ def time_head(head, seq_length: int, micro_batch_size: int, iters: int, warmup: 
 # -- in the spawned process --------------------------------------------------------------------
 def _measure(rank: int, world: int, request: ProfileRequest) -> dict:
     """Every micro batch size of ``request`` in this (fresh) process: plain numbers back."""
+    _setup(request)
+    out = _measure_one(request)
+    _teardown()
+    return out
+
+
+def _measure_many(rank: int, world: int, requests, budget: float) -> list[dict]:
+    """The requests in order in this one process (spawning and imports cost seconds each),
+    until ``budget`` seconds have passed (the first runs regardless): the results of those
+    finished."""
+    began = time.perf_counter()
+    _setup(requests[0])
+    out = []
+    for request in requests:
+        if out and time.perf_counter() - began > budget:  # the first always runs
+            logger.warning("profile budget of %g s spent: %d of %d shapes measured", budget,
+                           len(out), len(requests))
+            break
+        out.append(_measure_one(request))
+        if request.device == "cuda":
+            torch.cuda.empty_cache()
+    _teardown()
+    return out
+
+
+def _setup(request: ProfileRequest) -> None:
     if request.device == "cpu":
         from .cpu import prepare_cpu_imports
 
@@ -279,31 +333,47 @@ def _measure(rank: int, world: int, request: ProfileRequest) -> dict:
         torch.set_num_threads(request.threads)
     ps.initialize_model_parallel()
     mrandom.model_parallel_cuda_manual_seed(1234)
-    dtype = request.dtype
-    stack = build_stack(request.model, request.seq_length, request.layers, dtype, request.device)
-    head = build_head(request.model, request.seq_length, dtype, request.device) \
-        if request.head else None
-    results = []
-    for b in request.micro_batch_sizes:
-        layer = time_stack(stack, request.seq_length, b, request.iters, request.warmup,
-                           request.device, dtype)
-        results.append({"micro_batch_size": b, "layer": layer, "head": None if head is None else
-                        time_head(head, request.seq_length, b, request.iters, request.warmup,
-                                  request.device, dtype)})
+
+
+def _teardown() -> None:
+    from megatron.core import parallel_state as ps
+
     ps.destroy_model_parallel()
+
+
+def _measure_one(request: ProfileRequest) -> dict:
+    """Per TP size and micro batch size, the stack's and the head's times and bytes."""
+    dtype = request.dtype
+    kv = request.model.head_dim if request.tensor_parallel != (1,) else None
+    results = []
+    for tp in request.tensor_parallel:
+        model = shard(request.model, tp)
+        stack = build_stack(model, request.seq_length, request.layers, dtype, request.device,
+                            kv_channels=kv)
+        head = build_head(model, request.seq_length, dtype, request.device, kv) \
+            if request.head else None
+        for b in request.micro_batch_sizes:
+            layer = time_stack(stack, request.seq_length, b, request.iters, request.warmup,
+                               request.device, dtype)
+            results.append({"micro_batch_size": b, "tp": tp, "layer": layer,
+                            "head": None if head is None else
+                            time_head(head, request.seq_length, b, request.iters,
+                                      request.warmup, request.device, dtype)})
+        del stack, head
     return {"results": results, "machine": _machine(request)}
 
 
 def _machine(request: ProfileRequest) -> Machine:
     import megatron.core
 
-    device = torch.cuda.get_device_name() if request.device == "cuda" else _cpu_name()
+    device = torch.cuda.get_device_name() if request.device == "cuda" else cpu_name()
     return Machine(request.device, device, str(request.dtype).removeprefix("torch."),
                    torch.get_num_threads() if request.device == "cpu" else None,
                    str(torch.__version__), str(getattr(megatron.core, "__version__", "")))
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model (/proc/cpuinfo), else what platform knows."""
     import platform
 
     try:
@@ -326,25 +396,41 @@ def profile_model(request: ProfileRequest, command: str | None = None,
     (outcome,) = run_gloo(_measure, 1, request, timeout=timeout)
     if not outcome.ok:
         raise RuntimeError(f"vshape profile: the measuring process failed: {outcome.error}")
-    results = outcome.value["results"]
+    return _profile(request, outcome.value, command)
+
+
+def profile_models(requests, commands, budget: float, timeout: float = 3600.0
+                   ) -> list[MeasuredProfile]:
+    """Measure several requests in one spawned process, stopping at ``budget`` seconds: the
+    profiles of those finished, in order (``commands[i]`` is recorded in the i-th)."""
+    from ..runtime.launch import run_gloo
+
+    (outcome,) = run_gloo(_measure_many, 1, tuple(requests), budget, timeout=timeout)
+    if not outcome.ok:
+        raise RuntimeError(f"vshape profile: the measuring process failed: {outcome.error}")
+    return [_profile(r, v, c) for r, v, c in zip(requests, outcome.value, commands)]
+
+
+def _profile(request: ProfileRequest, value: dict, command: str | None) -> MeasuredProfile:
+    results = value["results"]
     measurements = tuple(_measurement(r) for r in results)
     saved = sum(r["layer"].saved_bytes for r in results)
     # the output gradients W keeps are new bytes, so more than F kept is possible; 1 at most,
     # as the runtime's backward_leftover
     leftover = min(1.0, sum(r["layer"].kept_after_b for r in results) / saved)
     for m in measurements:
-        logger.info("micro batch %d: F %.3g s, B %.3g s, W %.3g s per layer, %d bytes kept",
-                    m.micro_batch_size, m.layer.forward, m.layer.backward, m.layer.weight,
-                    m.activation_bytes_per_layer)
+        logger.info("micro batch %d, TP %d: F %.3g s, B %.3g s, W %.3g s per layer, %d bytes "
+                    "kept", m.micro_batch_size, m.tensor_parallel, m.layer.forward,
+                    m.layer.backward, m.layer.weight, m.activation_bytes_per_layer)
     return MeasuredProfile(request.seq_length, measurements, backward_leftover=_round(leftover),
-                           command=command, machine=outcome.value["machine"])
+                           command=command, machine=value["machine"])
 
 
 def _measurement(result: dict) -> Measurement:
     seconds = result["layer"].seconds
     head = result["head"]
     return Measurement(
-        result["micro_batch_size"], 1,
+        result["micro_batch_size"], result.get("tp", 1),
         PassTimes(_round(seconds["F"]), _round(seconds["B"]), _round(seconds["W"])),
         head=None if head is None else PassTimes(_round(head["F"]), _round(head["B"]), 0.0),
         activation_bytes_per_layer=result["layer"].saved_bytes)

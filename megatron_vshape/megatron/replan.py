@@ -95,7 +95,7 @@ class Replanner:
         """Agree on costs (and bytes per unit) over every rank (collective over the world)."""
         local = profile.gather_costs(schedule.placement, rank, group=pp_group)
         comm = measure_hop_latency(groups, spec.shape, spec.dtype, spec.wire_device)
-        device = spec.device
+        device = spec.wire_device  # gloo with CUDA ranks (one shared GPU): reduce on the host
         values = torch.tensor(local.forward + local.backward + local.weight, dtype=torch.float64,
                               device=device)
         dist.all_reduce(values)

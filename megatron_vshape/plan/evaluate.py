@@ -229,6 +229,14 @@ class Evaluator:
         return self._finish(point, layout, ranks, peaks, schedule.description,
                             lambda _: (result.makespan, result.bubble_rate))
 
+    def activation_bytes(self, point: GridPoint, schedule) -> tuple[float, ...]:
+        """Per pipeline rank, the peak activation bytes of an already-built ``schedule`` (the
+        one a run actually executed, e.g. what ``auto`` re-planned to) at ``point``: what
+        ``vshape gpu-check`` compares with the bytes it measures."""
+        shares = rank_shares(self.model, schedule.placement)
+        ranks = self._ranks(point, shares, single=False)
+        return tuple(peak_activation_bytes(schedule, ranks.chunks))
+
     # -- helpers ------------------------------------------------------------------------------
     def _no_pipeline(self, point: GridPoint, layout: ParallelLayout) -> Prediction:
         shares = whole_model_share(self.model)

@@ -1,0 +1,105 @@
+"""``vshape gpu-check``: the plugin checked on one device in one command (docs/gpu-check.md).
+
+A lent GPU is available for minutes at a time, so everything a GPU should confirm runs here in
+one call and lands in ``--output``: ``report.json`` and ``report.md`` (the pipeline under every
+schedule against 1F1B and the planner, :mod:`..megatron.gpu_check`), and on CUDA (not
+``--tiny``) per-layer profiles of the paper's models (``cuda-<model>-s<S>.yaml``,
+:mod:`.gpu_profiles`). ``--device cpu --tiny`` is the same command on the CPU, run in CI
+(tests/test_gpu_check.py), so the GPU path cannot rot between loans.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+__all__ = ["register"]
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "gpu-check", help="check every schedule on one device (PP 4 processes sharing it) "
+                          "against 1F1B and the planner; profile the paper's layers on CUDA",
+        description="Train a megatron-core GPT on 4 gloo processes sharing one device under "
+                    "1f1b (our runtime, the reference), zb-1p, v-min, v-half, v-zb and auto; "
+                    "write report.json and report.md (losses against the reference, peak "
+                    "bytes per rank against the planner's prediction, the machine). On CUDA, "
+                    "bf16 then fp32, then per-layer profiles of the paper's models.")
+    p.add_argument("--output", "-o", required=True, metavar="DIR",
+                   help="folder for report.json, report.md and the profiles")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto (default): cuda when torch sees a GPU, else cpu")
+    p.add_argument("--tiny", action="store_true",
+                   help="the bundled tiny GPT (seconds; what CI runs with --device cpu); skips "
+                        "the fp32 rerun and the profiles")
+    p.add_argument("--no-fp32", action="store_true", help="CUDA: skip the fp32 pipeline run")
+    p.add_argument("--no-profile", action="store_true",
+                   help="CUDA: skip the per-layer profiles of the paper's models")
+    p.add_argument("--profile-budget", type=float, default=180.0, metavar="SECONDS",
+                   help="CUDA: stop profiling new shapes after this long (default %(default)s)")
+    p.set_defaults(handler=_gpu_check)
+
+
+def _command(args, device: str) -> str:
+    words = ["vshape", "gpu-check", "--output", args.output, "--device", device]
+    words += [flag for flag, on in (("--tiny", args.tiny), ("--no-fp32", args.no_fp32),
+                                    ("--no-profile", args.no_profile)) if on]
+    if device == "cuda" and not (args.tiny or args.no_profile):
+        words += ["--profile-budget", f"{args.profile_budget:g}"]
+    return shlex.join(words)
+
+
+def _device(choice: str) -> str:
+    try:
+        import torch
+    except ImportError as err:
+        raise ValueError(f"vshape gpu-check needs torch and megatron-core: pip install -e "
+                         f"'.[megatron]' ({err})") from None
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
+    return choice
+
+
+def dtypes(device: str, tiny: bool, no_fp32: bool) -> list[str]:
+    """The pipeline runs, in order: fp32 on the CPU; bf16, then fp32 (unless skipped) on CUDA."""
+    if device == "cpu":
+        return ["float32"]
+    return ["bfloat16"] + ([] if tiny or no_fp32 else ["float32"])
+
+
+def _gpu_check(args) -> int:
+    from tqdm import tqdm
+
+    from ..megatron.gpu_check import check_settings, run_check
+    from ..megatron.gpu_report import machine, pipeline_report, render_markdown
+
+    began = time.perf_counter()
+    device = _device(args.device)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    pipelines = []
+    for dtype in dtypes(device, args.tiny, args.no_fp32):
+        settings = check_settings(device, args.tiny, dtype)
+        start = time.perf_counter()
+        with tqdm(total=len(settings.schedules), unit="schedule",
+                  desc=f"{device} {dtype} pipeline") as progress:
+            runs = run_check(settings, on_done=lambda name: progress.update())
+        pipelines.append(pipeline_report(settings, runs, time.perf_counter() - start))
+    profiles = []
+    if device == "cuda" and not (args.tiny or args.no_profile):
+        from .gpu_profiles import profile_paper_layers
+
+        profiles = profile_paper_layers(out, args.profile_budget)
+    report = {"command": _command(args, device), "machine": machine(device),
+              "pipelines": pipelines, "profiles": profiles,
+              "passed": all(p["passed"] for p in pipelines),
+              "wall_seconds": round(time.perf_counter() - began, 1)}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(render_markdown(report))
+    print(render_markdown(report))
+    print(f"wrote {out / 'report.json'}, {out / 'report.md'}"
+          f"{f' and {len(profiles)} profiles' if profiles else ''}")
+    return 0 if report["passed"] else 1

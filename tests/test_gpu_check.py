@@ -1,0 +1,168 @@
+"""``vshape gpu-check``: its CPU mode end to end (what CI runs), and the CUDA-only pieces that a
+CPU can check (sizes, the CPU wire, report assembly), so the GPU path cannot rot between loans
+of a GPU (docs/gpu-check.md)."""
+import json
+import types
+
+import pytest
+
+pytest.importorskip("torch")
+from support.megatron_cpu import importorskip_megatron  # noqa: E402
+
+importorskip_megatron()
+
+import torch  # noqa: E402
+
+from megatron_vshape.cli import build_parser, main  # noqa: E402
+from megatron_vshape.cli.gpu_check import dtypes  # noqa: E402
+from megatron_vshape.megatron.gpu_check import (GPU_MODEL, CheckSettings,  # noqa: E402
+                                                ScheduleCheck, check_settings, loss_tolerance)
+from megatron_vshape.megatron.gpu_report import (MEMORY_TOLERANCE, PIPELINE_KEYS,  # noqa: E402
+                                                 REPORT_KEYS, SCHEDULE_KEYS, pipeline_report,
+                                                 predicted_bytes, render_markdown)
+from megatron_vshape.schedule import build_schedule  # noqa: E402
+
+SCHEDULES = ["1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto"]
+
+
+@pytest.mark.megatron_versions
+def test_cpu_mode_report(tmp_path, capsys):
+    """PP 4 processes, the tiny GPT in fp32: every schedule's losses equal the reference's
+    (1e-5; they come out bit-identical) and every rank's tracked peak is within 25% of the
+    planner's prediction (measured 0-2%). About 60 s on 2 loaded cores."""
+    assert main(["gpu-check", "--device", "cpu", "--tiny", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert tuple(report) == REPORT_KEYS and report["passed"] and report["profiles"] == []
+    assert report["command"] == f"vshape gpu-check --output {tmp_path} --device cpu --tiny"
+    assert report["machine"]["device"] == "cpu" and report["machine"]["megatron_core"]
+    (run,) = report["pipelines"]
+    assert tuple(run) == PIPELINE_KEYS
+    assert (run["device"], run["dtype"], run["memory_measure"], run["ranks"]) == \
+        ("cpu", "float32", "activation_tracker", 4)
+    assert [r["schedule"] for r in run["schedules"]] == SCHEDULES
+    for row in run["schedules"]:
+        assert tuple(row) == SCHEDULE_KEYS
+        assert row["max_loss_diff"] <= 1e-5, row
+        assert len(row["peak_bytes"]) == len(row["predicted_bytes"]) == 4
+        assert row["peak_bytes"] == row["tracked_bytes"]  # the CPU's one measure
+        for measured, predicted in zip(row["peak_bytes"], row["predicted_bytes"]):
+            assert abs(measured / predicted - 1) <= 0.25, row
+    by = {r["schedule"]: r for r in run["schedules"]}
+    assert max(by["v-min"]["peak_bytes"]) < 0.6 * max(by["1f1b"]["peak_bytes"])
+    assert by["auto"]["ran"].startswith("auto:")  # re-planned from measured costs
+    page = (tmp_path / "report.md").read_text()
+    assert "| v-half |" in page and "**passed**" in page
+    assert "report.json" in capsys.readouterr().out
+
+
+def test_cuda_sizes():
+    """The GPU model: bf16, micro batch 1, untied, 4 layers per rank; its predicted bytes
+    leave room on an 80 GB H100 for four processes (weights, gradients, activations, and a
+    CUDA context each), in bf16 and in fp32."""
+    bf16 = check_settings("cuda", tiny=False)
+    assert (bf16.model, bf16.dtype, bf16.micro_batch_size, bf16.ranks, bf16.microbatches) == \
+        (GPU_MODEL.with_overrides(untie_embeddings_and_output_weights=True), "bfloat16", 1, 4, 8)
+    assert bf16.memory_measure == "cuda_max_memory_allocated" and not bf16.tied
+    config = bf16.transformer_config()
+    assert config.params_dtype is torch.bfloat16 and config.bf16
+    assert not config.use_cpu_initialization and not config.masked_softmax_fusion
+    for settings, element in ((bf16, 2), (check_settings("cuda", False, "float32"), 4)):
+        # 1F1B's fullest rank keeps the most; count every process as full as that one
+        activations = 4 * max(predicted_bytes(settings, build_schedule("1f1b", 4, 8)))
+        weights_and_grads = 2 * element * GPU_MODEL.parameters()
+        assert activations + weights_and_grads + 4 * 2**30 < 70 * 2**30, settings.dtype
+    assert check_settings("cuda", tiny=True).model.name == "tiny"
+    assert dtypes("cuda", False, False) == ["bfloat16", "float32"]
+    assert dtypes("cuda", True, False) == dtypes("cuda", False, True) == ["bfloat16"]
+    assert dtypes("cpu", False, False) == ["float32"]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(device="tpu"), "--device must be one of cpu, cuda"),
+    (dict(dtype="bfloat16"), "bfloat16 needs --device cuda"),
+    (dict(schedules=("v-half",)), "must start with 1f1b"),
+    (dict(ranks=8), "needs ranks >= 2 and >= 16 layers"),
+])
+def test_bad_settings_name_the_setting(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        CheckSettings(check_settings("cpu", tiny=True).model, **kwargs)
+
+
+def test_gloo_on_a_gpu_sends_through_host_memory(monkeypatch):
+    """Ranks sharing one GPU over gloo get ``wire = "cpu"``; NCCL and CPU ranks no wire."""
+    from megatron_vshape.megatron import forward_backward as fbm
+    from megatron_vshape.megatron.forward_backward import VShapeForwardBackward
+
+    one = types.SimpleNamespace(size=lambda: 1)
+    pg = types.SimpleNamespace(pp=object(), tp=one, cp=one)
+    config = check_settings("cuda", tiny=True).transformer_config()
+    for device, backend, wire in (("cuda:0", "gloo", "cpu"), ("cuda:0", "nccl", None),
+                                  ("cpu", "gloo", None)):
+        monkeypatch.setattr(fbm, "_device", lambda d=device: d)
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda group, b=backend: b)
+        spec = VShapeForwardBackward._spec(config, pg, 32, 2, None, None)
+        assert (spec.device, spec.wire) == (device, wire)
+        assert spec.shape == (32, 2, 64) and spec.dtype is torch.bfloat16
+
+
+def _fake_run(name, losses, peaks, ran):
+    return ScheduleCheck(name, losses, peaks, peaks, 0.5, ran, [])
+
+
+def test_report_assembly_for_cuda():
+    """bf16's tolerance applies, a rank 15% over the prediction fails the 10% goal, and the
+    markdown names what failed."""
+    settings = check_settings("cuda", tiny=True)
+    schedules = {n: build_schedule(n, 4, 8) for n in ("1f1b", "v-half")}
+    exact = {n: [round(b) for b in predicted_bytes(settings, s)] for n, s in schedules.items()}
+    runs = {"1f1b": _fake_run("1f1b", [[5.0, 5.1]], exact["1f1b"], schedules["1f1b"]),
+            "v-half": _fake_run("v-half", [[5.01, 5.1]], [b * 1.15 for b in exact["v-half"]],
+                                schedules["v-half"])}
+    report = pipeline_report(settings, runs, 12.0)
+    assert tuple(report) == PIPELINE_KEYS
+    assert report["loss_tolerance"] == loss_tolerance("bfloat16") == 2e-2
+    assert report["memory_tolerance"] == MEMORY_TOLERANCE["cuda"] == 0.10
+    ref, v = report["schedules"]
+    assert ref["loss_ok"] and ref["memory_ok"] and ref["measured_vs_predicted"] == [1.0] * 4
+    assert v["loss_ok"] and v["max_loss_diff"] == pytest.approx(0.01)
+    assert not v["memory_ok"] and v["measured_vs_predicted"] == [1.15] * 4
+    assert not report["passed"]
+    page = render_markdown({"command": "vshape gpu-check", "passed": False, "wall_seconds": 1,
+                            "machine": {"device": "cuda", "device_name": "H100", "python": "3",
+                                        "torch": "2", "cuda": "12", "megatron_core": "0.19.2"},
+                            "pipelines": [report], "profiles": []})
+    assert "| v-half |" in page and "| memory |" in page and "**FAILED**" in page
+
+
+def test_profile_step_measures_tp_shards_within_its_budget(monkeypatch):
+    """The GPU's profile step on CPU with two paper models narrowed to 4 dims per head (same
+    heads, FFN and vocabulary ratios): one spawned process, TP 1/2/4/8 shards per file; a
+    zero budget still measures the first request, and nothing after it."""
+    from megatron_vshape.cli.gpu_profiles import paper_requests
+    from megatron_vshape.megatron.profiling import ProfileRequest, profile_models, shard
+    from megatron_vshape.plan import load_model_config
+
+    requests = []
+    for name in ("gpt-9.6b", "gpt-21b"):
+        full = load_model_config(name)
+        small = full.with_overrides(hidden_size=4 * full.num_attention_heads,
+                                    ffn_hidden_size=16 * full.num_attention_heads)
+        requests.append(ProfileRequest(small, 16, (1,), 1, 1, 0, "cpu", 1, True, (1, 2, 4, 8)))
+    profiles = profile_models(requests, ["a", "b"], budget=600)
+    assert [p.command for p in profiles] == ["a", "b"]
+    for profile in profiles:
+        assert [m.tensor_parallel for m in profile.measurements] == [1, 2, 4, 8]
+        kept = [m.activation_bytes_per_layer for m in profile.measurements]
+        assert all(a > b for a, b in zip(kept, kept[1:])), kept  # a shard keeps less
+    assert len(profile_models(requests, ["a", "b"], budget=0)) == 1
+    eight = shard(load_model_config("gpt-9.6b"), 8)
+    assert (eight.num_attention_heads, eight.ffn, eight.vocab_size, eight.hidden_size) == \
+        (5, 2560, 6400, 5120)
+    # what the GPU step records re-measures one file with vshape profile
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # requests only, no run
+    request, file, command = paper_requests("cuda")[0]
+    assert file == "cuda-gpt-9.6b-s1024.yaml" and request.tensor_parallel == (1, 2, 4, 8)
+    assert command.startswith("vshape profile --model gpt-9.6b --seq-length 1024")
+    assert "--tensor-parallel 1 2 4 8" in command and command.endswith(f"--output {file}")
+    args = build_parser().parse_args(command.split()[1:])
+    assert args.tensor_parallel == [1, 2, 4, 8] and args.device == "cuda"
