@@ -63,3 +63,41 @@ def test_the_committed_document_is_what_its_command_writes(small_case):
 def test_a_sequence_length_the_grid_lacks_is_refused(capsys):
     assert main(["paper", str(GRID), "--seq-lengths", "4096", "-o", "/dev/null"]) == 2
     assert "--seq-lengths [4096]" in capsys.readouterr().err
+
+
+def test_no_profile_leaves_the_page_as_it_was(small_case):
+    assert "Calibrated" not in small_case and "Calibrated" not in DOC.read_text()
+
+
+def test_a_gpu_profile_adds_a_calibrated_column(tmp_path, capsys):
+    """A profile like gpu-check writes (TP 1, 2, 4, 8 at micro batch 1), here the analytic
+    layer times x 1.25: the case is planned again from it, the section names the ratio per
+    TP, and the calibrated throughputs are lower than the analytic ones (not by exactly 1.25:
+    the embedding, head and communication keep their analytic times)."""
+    from megatron_vshape.experiments.calibrate import profile_name
+    from megatron_vshape.plan.cost import analytic_times
+    from megatron_vshape.plan.profile_file import (Machine, MeasuredProfile, Measurement,
+                                                   format_profile)
+    from megatron_vshape.plan.settings import ClusterConfig, TrainingConfig
+
+    grid = load_grid(GRID)
+    training, cluster = TrainingConfig(3072, 128), ClusterConfig(16, 80.0)
+    measurements = tuple(
+        Measurement(1, tp, analytic_times(grid.model, training, cluster, tp, 1).layer.scaled(1.25))
+        for tp in (1, 2, 4, 8))
+    profile = MeasuredProfile(3072, measurements, command="vshape profile ...",
+                              machine=Machine("cuda", "NVIDIA H100 80GB HBM3", "bfloat16"))
+    (tmp_path / profile_name("gpt-9.6b", 3072)).write_text(format_profile(profile))
+    out = tmp_path / "prediction.md"
+    assert main(["paper", str(GRID), "--seq-lengths", "3072", "--profiles", str(tmp_path),
+                 "--output", str(out)]) == 0
+    text = out.read_text()
+    assert "## Calibrated with measured per-layer costs" in text
+    (row,) = [line for line in text.splitlines() if line.startswith("| gpt-9.6b, 16 | 3072 | "
+                                                                     "NVIDIA H100")]
+    assert "TP1 1.25, TP2 1.25, TP4 1.25, TP8 1.25" in row
+    one_f_one_b = row.split(" | ")[4]
+    analytic, calibrated = (float(x) for x in one_f_one_b.split(" \\| "))
+    assert 1.0 < analytic / calibrated <= 1.25
+    assert f"--profiles {tmp_path}" in text
+    assert "calibrated from" in capsys.readouterr().out

@@ -63,6 +63,10 @@ def register(sub) -> None:
                        help="only these sequence lengths (default: each grid's)")
     paper.add_argument("--auto-candidates", type=int, default=3, metavar="K",
                        help="search auto at the K best points (default %(default)s)")
+    paper.add_argument("--profiles", metavar="DIR",
+                       help="where gpu-check's cuda-<model>-s<S>.yaml profiles are looked for "
+                            "(default: the bundled megatron_vshape/configs/profiles); a case "
+                            "with one gets a calibrated column")
     paper.add_argument("--output", "-o", default="docs/paper-reproduction.md",
                        help="the markdown file to write (default %(default)s)")
     paper.set_defaults(handler=_paper)
@@ -180,6 +184,7 @@ def _paper(args) -> int:
 
     from tqdm import tqdm
 
+    from ..experiments.calibrate import PROFILE_DIR, calibrate, render_calibrated
     from ..experiments.predict import predict_case, render
 
     grids = [load_grid(path) for path in args.grids]
@@ -192,17 +197,25 @@ def _paper(args) -> int:
              if not args.seq_lengths or s in args.seq_lengths]
     results = [predict_case(g, s, args.auto_candidates)
                for g, s in tqdm(cases, desc="planning", unit="case")]
+    calibrations = [c for c in (calibrate(case, Path(args.profiles or PROFILE_DIR),
+                                          args.auto_candidates) for case in results) if c]
     command = " ".join(["vshape", "paper", *map(shlex.quote, args.grids)]
                        + (["--seq-lengths", *map(str, args.seq_lengths)] if args.seq_lengths
-                          else []) + ["--output", shlex.quote(args.output)])
+                          else [])
+                       + (["--profiles", shlex.quote(args.profiles)] if args.profiles else [])
+                       + ["--output", shlex.quote(args.output)])
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(results, command))
+    out.write_text(render(results, command, render_calibrated(calibrations)))
     for case in results:
         gains = [f"x{g:.3f} over the best {name}" for name, g in
                  (("1F1B", case.gain_over("1f1b")), ("1F1B-R", case.gain_over("1f1b-r")))
                  if g is not None]
         print(f"{case.grid.model.name} seq {case.seq_length}: best V "
               + (", ".join(gains) or "- (V or both baselines fit nowhere)"))
+    for c in calibrations:
+        print(f"{c.analytic.grid.model.name} seq {c.analytic.seq_length}: calibrated from "
+              f"{c.profile.path}: measured / analytic layer time "
+              + ", ".join(f"TP{tp} {r:.2f}" for tp, r in c.time_ratio.items()))
     print(f"wrote {out}")
     return 0

@@ -108,9 +108,11 @@ def _global_batch(grid: GridConfig, seq_length: int) -> int:
     return dict(grid.global_batch)[seq_length]
 
 
-def predict_case(grid: GridConfig, seq_length: int, auto_candidates: int = 3) -> CasePrediction:
+def predict_case(grid: GridConfig, seq_length: int, auto_candidates: int = 3,
+                 profile=None) -> CasePrediction:
     """Plan ``grid``'s model on its GPUs at ``seq_length`` over its TP, PP and micro batch
-    choices (those valid for the planner), with and without full recomputation."""
+    choices (those valid for the planner), with and without full recomputation; with
+    ``profile`` (a MeasuredProfile at ``seq_length``), from its measured pass times."""
     gpu_memory = grid.gpu_memory_gib or 80.0
     cluster = ClusterConfig(grid.gpus.total, gpu_memory, gpus_per_node=grid.gpus.per_node)
     training = TrainingConfig(seq_length, _global_batch(grid, seq_length))
@@ -122,7 +124,7 @@ def predict_case(grid: GridConfig, seq_length: int, auto_candidates: int = 3) ->
     space = SearchSpace(schedules=_SCHEDULES, micro_batch_sizes=grid.mbs, tensor_parallel=tp,
                         pipeline_parallel=pp, auto_candidates=auto_candidates,
                         recompute=("none", "full"))
-    return CasePrediction(grid, seq_length, plan(model, training, cluster, space))
+    return CasePrediction(grid, seq_length, plan(model, training, cluster, space, profile))
 
 
 # -- the document ----------------------------------------------------------------------------
@@ -217,8 +219,10 @@ def _pure_rows(cases: list[CasePrediction]) -> tuple[list[str], list[float]]:
     return lines, gains
 
 
-def render(cases: list[CasePrediction], command: str) -> str:
-    """``docs/paper-reproduction.md`` for ``cases``; ``command`` regenerates it."""
+def render(cases: list[CasePrediction], command: str, calibrated: list[str] = ()) -> str:
+    """``docs/paper-reproduction.md`` for ``cases``; ``command`` regenerates it; ``calibrated``:
+    the measured-cost section's lines (:func:`.calibrate.render_calibrated`), when profiles
+    exist."""
     lines = [
         "# The paper's experiments, predicted",
         "",
@@ -250,6 +254,7 @@ def render(cases: list[CasePrediction], command: str) -> str:
     if gains:
         lines += ["", f"Predicted range where both fit: x{min(gains):.3f} to x{max(gains):.3f} "
                   f"(the paper: x{PAPER_PURE_PP_GAINS[0]} to x{PAPER_PURE_PP_GAINS[1]})."]
+    lines += list(calibrated)
     lines += ["", "## Why predictions and the paper can differ", "",
               "- The planner's times are a FLOP model at one MFU for every matrix multiply "
               "(`--profile` replaces it with measured pass times); the paper measured on its "

@@ -1,0 +1,108 @@
+"""The paper's predictions calibrated: the planner with measured per-layer costs.
+
+``vshape gpu-check`` on a GPU writes ``cuda-<model>-s<S>.yaml`` (per-layer F, B, W of a TP
+shard at TP 1, 2, 4, 8; committed into megatron_vshape/configs/profiles/). Where such a file
+exists for a paper case, ``vshape paper`` plans the case again from it and adds a section to
+docs/paper-reproduction.md: the analytic and the calibrated best 1F1B and best V side by side,
+and how far the analytic FLOP model (one MFU for everything) was from the measured layer time at
+each TP. Without profiles the page is unchanged.
+
+The profiles time megatron's local layers without flash attention and without TP communication,
+so at long sequences they are slower than the flash-attention layers the grids plan for, and at
+TP > 1 faster than a real TP rank: the calibrated column says what measured compute changes, not
+yet a shape-aware cost model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..configs import CONFIG_DIR
+from ..plan.cost import analytic_times
+from ..plan.profile_file import MeasuredProfile, load_profile
+from .predict import CasePrediction, predict_case
+
+__all__ = ["PROFILE_DIR", "Calibration", "profile_name", "find_profile", "calibrate",
+           "render_calibrated"]
+
+PROFILE_DIR = CONFIG_DIR / "profiles"
+
+
+def profile_name(model: str, seq_length: int) -> str:
+    """The file gpu-check writes for ``model`` at ``seq_length`` (cli/gpu_profiles.py)."""
+    return f"cuda-{model}-s{seq_length}.yaml"
+
+
+def find_profile(folder: Path, model: str, seq_length: int) -> MeasuredProfile | None:
+    """The CUDA profile of ``model`` at ``seq_length`` in ``folder``, or None."""
+    path = Path(folder) / profile_name(model, seq_length)
+    return load_profile(path) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One paper case planned twice: analytic costs and measured ones."""
+
+    analytic: CasePrediction
+    measured: CasePrediction
+    profile: MeasuredProfile
+    time_ratio: dict[int, float]
+    """Per measured TP: (F + B + W measured) / (F + B + W analytic) of one layer, micro
+    batch 1: above 1, the analytic model was optimistic."""
+
+
+def calibrate(case: CasePrediction, folder: Path = PROFILE_DIR, auto_candidates: int = 3
+              ) -> Calibration | None:
+    """``case`` planned again from its profile in ``folder`` (None without one)."""
+    grid, seq = case.grid, case.seq_length
+    profile = find_profile(folder, grid.model.name, seq)
+    if profile is None:
+        return None
+    training, cluster = case.result.training, case.result.cluster
+    ratios = {}
+    for tp in sorted({m.tensor_parallel for m in profile.measurements}):
+        analytic = analytic_times(grid.model, training, cluster, tp, 1)
+        measured = profile.times(tp, 1, analytic)
+        ratios[tp] = _total(measured.layer) / _total(analytic.layer)
+    measured_case = predict_case(grid, seq, auto_candidates, profile)
+    return Calibration(case, measured_case, profile, ratios)
+
+
+def _total(times) -> float:
+    return times.forward + times.backward + times.weight
+
+
+def render_calibrated(calibrations: list[Calibration]) -> list[str]:
+    """The markdown section (empty without calibrations)."""
+    if not calibrations:
+        return []
+    mfu = calibrations[0].analytic.result.cluster.mfu
+    lines = ["", "## Calibrated with measured per-layer costs", "",
+             "Where `vshape gpu-check` measured the model's layers on a GPU "
+             f"(`megatron_vshape/configs/profiles/cuda-<model>-s<S>.yaml`), the same case planned "
+             "from measured F, B, W (analytic | calibrated). `measured / analytic`: one layer's "
+             f"F + B + W at micro batch 1, per TP; the analytic model assumes MFU {mfu:g}, so "
+             f"the effective MFU is {mfu:g} / that ratio. The profiles time local layers without "
+             "flash attention or TP communication (see megatron_vshape/experiments/calibrate.py).",
+             "", "| model, GPUs | seq | measured on | measured / analytic per TP | best 1F1B "
+             "tok/s | best V tok/s | best V / 1F1B |", "|---|---|---|---|---|---|---|"]
+    for c in calibrations:
+        lines.append(_row(c))
+    return lines
+
+
+def _row(c: Calibration) -> str:
+    def tokens(case, family):
+        best = case.best_v() if family == "v" else case.best.get(family)
+        return f"{best.tokens_per_second_per_gpu:.0f}" if best else "-"
+
+    def gain(case):
+        value = case.gain_over("1f1b")
+        return f"x{value:.3f}" if value is not None else "-"
+
+    a, m = c.analytic, c.measured
+    machine = c.profile.machine.device if c.profile.machine else "?"
+    ratios = ", ".join(f"TP{tp} {r:.2f}" for tp, r in c.time_ratio.items())
+    return (f"| {a.grid.model.name}, {a.grid.gpus.total} | {a.seq_length} | {machine} | {ratios} "
+            f"| {tokens(a, '1f1b')} \\| {tokens(m, '1f1b')} | {tokens(a, 'v')} \\| "
+            f"{tokens(m, 'v')} | {gain(a)} \\| {gain(m)} |")
