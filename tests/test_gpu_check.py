@@ -166,3 +166,24 @@ def test_profile_step_measures_tp_shards_within_its_budget(monkeypatch):
     assert "--tensor-parallel 1 2 4 8" in command and command.endswith(f"--output {file}")
     args = build_parser().parse_args(command.split()[1:])
     assert args.tensor_parallel == [1, 2, 4, 8] and args.device == "cuda"
+
+
+def test_cuda_is_refused_where_torch_sees_no_gpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["gpu-check", "--device", "cuda", "--output", str(tmp_path)]) == 2
+    assert "--device cuda: torch sees no CUDA GPU here; use --device cpu" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_check_on_cuda(tmp_path):
+    """GPU tier: the tiny model in bf16 on the one GPU (the full check is the command itself,
+    docs/gpu-check.md); losses within bf16's tolerance of the reference."""
+    code = main(["gpu-check", "--device", "cuda", "--tiny", "--output", str(tmp_path)])
+    report = json.loads((tmp_path / "report.json").read_text())
+    (run,) = report["pipelines"]
+    assert run["dtype"] == "bfloat16" and run["memory_measure"] == "cuda_max_memory_allocated"
+    assert all(r["loss_ok"] for r in run["schedules"]), run["schedules"]
+    assert report["machine"]["cuda"] and code in (0, 1)  # memory is the goal, reported
