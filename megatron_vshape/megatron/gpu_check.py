@@ -48,8 +48,9 @@ GPU_MODEL = ModelConfig(
                 "rank's 4-layer share takes several ms; 0.94B parameters")
 """The CUDA model: big enough that passes take milliseconds (the runtime's host work between
 passes is then small), small enough that four processes' weights, gradients and activations fit
-one 80 GB H100 with room to spare: the planner predicts 4.0 GiB of activations on 1F1B's rank 0
-in bf16 (8.0 in fp32), 2.3 under V-Min; weights and gradients 3.8 GB in bf16 over all ranks."""
+one 80 GB H100 with room to spare: the planner predicts 8.0 GiB of activations on 1F1B's rank 0
+(bf16, whose unfused fp32 softmax output makes it as large as fp32's), 4.3 under V-Min; weights
+and gradients 3.8 GB in bf16 (7.6 in fp32) over all ranks."""
 
 _FUSIONS_OFF = dict(masked_softmax_fusion=False, bias_activation_fusion=False,
                     bias_dropout_fusion=False, gradient_accumulation_fusion=False,
@@ -80,7 +81,8 @@ class CheckSettings:
     device: str = "cpu"
     """``cpu`` or ``cuda`` (every rank on the one GPU, ``cuda:0``)."""
     dtype: str = "float32"
-    """``float32`` or ``bfloat16`` (CUDA only)."""
+    """``float32`` or ``bfloat16``. The CLI runs bf16 on CUDA only; bf16 on the CPU checks the
+    GPU's dtype path without a GPU (tests/test_gpu_check.py)."""
     ranks: int = 4
     microbatches: int = 8
     micro_batch_size: int = 2
@@ -98,8 +100,6 @@ class CheckSettings:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.dtype == "bfloat16" and self.device != "cuda":
-            raise ValueError("bfloat16 needs --device cuda (the CPU check runs float32)")
         if self.ranks < 2 or self.model.num_layers < 2 * self.ranks:
             raise ValueError(f"a V on {self.ranks} ranks needs ranks >= 2 and >= "
                              f"{2 * self.ranks} layers; the model has {self.model.num_layers}")
@@ -125,12 +125,14 @@ class CheckSettings:
         return "cuda_max_memory_allocated" if self.device == "cuda" else "activation_tracker"
 
     def training(self) -> TrainingConfig:
-        """The planner's settings for what this check runs: no flash attention (local spec),
-        no sequence parallelism or distributed optimizer, no dropout."""
+        """The planner's settings for what this check runs: no flash attention (local spec,
+        megatron's unfused fp32 softmax), no sequence parallelism or distributed optimizer, no
+        dropout."""
         return TrainingConfig(self.model.seq_length, self.micro_batch_size * self.microbatches,
                               precision="bf16" if self.dtype == "bfloat16" else "fp32",
                               flash_attention=False, sequence_parallel=False,
-                              distributed_optimizer=False, dropout=False)
+                              distributed_optimizer=False, dropout=False,
+                              fp32_softmax_copy=True)
 
     def transformer_config(self):
         """megatron's TransformerConfig on this device and dtype (unfused, see _FUSIONS_OFF)."""
@@ -259,9 +261,11 @@ def _build(settings: CheckSettings, schedule: str, groups: dict):
         chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
     else:
         chunks = [provider(config=config, pre_process=r == 0, post_process=r == p - 1)]
-        if schedule == "zb-1p":
-            defer_weight_grads(chunks[0], WeightGradStore())
-    chunks = [c.to(_device(settings)) for c in chunks]
+    # every parameter in the run's dtype, norms too, as megatron's Float16Module does (keeps
+    # the Parameter objects, so the W hooks stay attached)
+    chunks = [c.to(device=_device(settings), dtype=config.params_dtype) for c in chunks]
+    if schedule == "zb-1p":
+        defer_weight_grads(chunks[0], WeightGradStore())
     init_by_name(chunks, settings.tied)
     auto = schedule == "auto"
     return chunks, VShapeForwardBackward(

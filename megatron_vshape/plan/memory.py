@@ -11,7 +11,9 @@ h hidden, f MLP width, a heads, e bytes per element, TP t, sp = t with sequence 
     e sb 4h/sp        two layernorm inputs, the QKV and first MLP linear inputs
     sb 2h/sp          two dropout masks, one byte each (dropout > 0; CPU torch: e bytes)
     e a s^2 b/t       softmax output; with dropout also its mask (1 byte) and output
-                      flash attention instead: 4 a s b/t (fp32 softmax statistics)
+                      flash attention instead: 4 a s b/t (fp32 softmax statistics);
+                      megatron's unfused fp32 softmax in bf16 adds 4 a s^2 b/t (its fp32
+                      output, TrainingConfig.fp32_softmax_copy)
 
 which is sbh(34 + 5as/h)/t in bf16 with f = 4h, dropout, sequence parallel and no flash
 attention. Stage 0 adds the token and position ids (and the embedding dropout mask); the last
@@ -119,6 +121,8 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     else:
         scores = a * s * s * b / tp
         attention = e * scores + ((mask + e) * scores if training.dropout else 0.0)
+        if training.fp32_softmax_copy and e < 4:
+            attention += 4 * scores
     inputs = e * tokens * (2 * h / sp + h / tp + f / tp)
     output_grads = e * tokens * ((h + kv) / tp + mlp_in / tp + 2 * h)
     ids = 2 * 8 * tokens  # int64 token and position ids

@@ -58,6 +58,12 @@ class TrainingConfig:
     dropout_mask_bytes: int = 1
     """Bytes per dropout-mask element: 1 on GPUs (bool masks, as Korthikanti et al. count);
     PyTorch's CPU dropout keeps its mask in the activation dtype (4 in fp32)."""
+    fp32_softmax_copy: bool = False
+    """Without flash attention: megatron's unfused softmax (no apex or Transformer Engine
+    kernel, or masked_softmax_fusion off) runs in fp32 (attention_softmax_in_fp32) and keeps its
+    fp32 output for backward besides the 16-bit copy the next matmul keeps: 4 more bytes per
+    score in bf16 (nothing more in fp32, where both are one tensor). Korthikanti et al. count
+    the fused kernel's 16-bit output only. ``vshape gpu-check`` runs that path."""
 
     def __post_init__(self) -> None:
         _positive("training", "--seq-length", "seq_length", self.seq_length, integer=True)
