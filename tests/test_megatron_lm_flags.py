@@ -16,30 +16,19 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from support.megatron_lm_launch import MEGATRON_LM, REPO, Launcher  # noqa: E402
+from support.megatron_lm_launch import MEGATRON_LM, Launcher  # noqa: E402
+from support.megatron_lm_tier import PP4, REL, SCRIPT  # noqa: E402
+from support.megatron_lm_tier import TINY_GPT as TIER_GPT  # noqa: E402
 from support.megatron_lm_probe import read_records  # noqa: E402
 
 if not (MEGATRON_LM / "megatron" / "training").is_dir():
     pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
                 allow_module_level=True)
 
-SCRIPT = REPO / "scripts" / "pretrain_gpt_vshape.py"
-REL = 1e-5
-"""fp32: the same arithmetic per microbatch, only the order of gradient accumulation across
-microbatches may differ (tests/test_megatron_lm_e2e.py's tolerance)."""
 ITERS = 3
-
-TINY_GPT = (
-    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 16 "
-    "--lr 1e-3 --min-lr 1e-4 --seed 1234 --attention-dropout 0 --hidden-dropout 0 "
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 "
-    "--transformer-impl local --no-gradient-accumulation-fusion --use-cpu-initialization "
-    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
-    "--no-bias-dropout-fusion --distributed-backend gloo --log-interval 1 "
-    "--eval-interval 2 --eval-iters 1 --num-workers 0 "
-    "--pipeline-model-parallel-size 4").split()
-"""tests/test_megatron_lm_e2e.py's tiny GPT at PP 4 (dropout off)."""
+TINY_GPT = TIER_GPT + PP4
+"""The tiers' tiny GPT at PP 4 (dropout off); fewer iterations than the tiers, which also
+check resumes."""
 
 
 @pytest.fixture(scope="module")
