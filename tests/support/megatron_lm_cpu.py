@@ -5,9 +5,9 @@
 -- on gloo processes without a GPU. Megatron-LM assumes CUDA in about a dozen places; each
 patch below names the line (../shared/megatron-lm, tag core_v0.16.1, with ``core/`` the pip
 megatron-core 0.16.1; "0.19:" ../shared/megatron-lm-0.19 with megatron-core 0.19.2) and what
-it changes. The same patches serve both: each is applied by the name it replaces. None changes what is computed: they move
-device bookkeeping to the CPU, skip GPU-only compilation, and keep RNG state objects that the
-CPU has no equivalent of. The megatron-core shims the CPU tests and the demo share live in
+it changes. The same patches serve both: each is applied by the name it replaces. None changes
+what is computed: they move device bookkeeping to the CPU, skip GPU-only compilation, and keep
+RNG state objects that the CPU has no equivalent of. The megatron-core shims the CPU tests and the demo share live in
 ``megatron_vshape/megatron/cpu.py`` and are applied first.
 
 Nothing in the plugin imports this module: it is applied from outside, by the test launcher
