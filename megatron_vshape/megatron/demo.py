@@ -22,7 +22,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from .pipeline_world import forward_progress, model_parallel, no_gc_pauses, two_chunks
+from .pipeline_world import (forward_progress, model_parallel, no_gc_pauses, placed_chunks,
+                             two_chunks)
 from .tiny_gpt import TinyGPT
 
 __all__ = ["DemoSettings", "ScheduleRun", "run_schedules", "DEMO_SCHEDULES", "DEVICE_RATIOS"]
@@ -201,25 +202,12 @@ def _build(settings: DemoSettings, schedule: str, groups: dict, emulate=None):
     use and fill the shared stream ``groups``); with ``emulate`` (Costs), ours built for and
     slowed to those costs, never re-planned (1f1b too: megatron's own has no per-pass hook to
     sleep in; auto under a byte limit keeps its provisional V-Min, as nothing measures bytes)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     from .forward_backward import VShapeForwardBackward
-    from .model import build_v_chunks
     from .tiny_gpt import init_by_name
-    from .wgrad import defer_weight_grads
-    from ..runtime.wgrad import WeightGradStore
 
-    model_parallel_cuda_manual_seed(123)
-    config = settings.model.transformer_config(settings.ranks)
-    provider = settings.model.provider(settings.tied)
-    r, p = ps.get_pipeline_model_parallel_rank(), settings.ranks
-    if two_chunks(schedule):
-        chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
-    else:
-        chunks = [provider(config=config, pre_process=r == 0, post_process=r == p - 1)]
-        if schedule == "zb-1p":
-            defer_weight_grads(chunks[0], WeightGradStore())
+    chunks = placed_chunks(settings.model.provider(settings.tied),
+                           settings.model.transformer_config(settings.ranks), schedule,
+                           settings.ranks)
     init_by_name(chunks, settings.tied)
     if schedule == "1f1b" and emulate is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func

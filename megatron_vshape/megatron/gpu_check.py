@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from ..plan.model import ModelConfig, load_model_config
 from ..plan.settings import TrainingConfig
-from .pipeline_world import forward_progress, model_parallel, no_gc_pauses, two_chunks
+from .pipeline_world import (forward_progress, model_parallel, no_gc_pauses, placed_chunks,
+                             two_chunks)
 from .tiny_gpt import TinyGPT
 
 __all__ = ["CHECK_SCHEDULES", "DEVICES", "DTYPES", "CheckSettings", "ScheduleCheck",
@@ -244,28 +245,15 @@ def _worker(rank: int, world: int, settings: CheckSettings, done) -> dict:
 def _build(settings: CheckSettings, schedule: str, groups: dict):
     """This rank's chunks under ``schedule``'s placement, weights by global name, and our
     forward-backward function (1f1b too: the reference is our runtime's 1F1B order)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from ..runtime.wgrad import WeightGradStore
     from .forward_backward import VShapeForwardBackward
-    from .model import build_v_chunks
     from .tiny_gpt import init_by_name
-    from .wgrad import defer_weight_grads
 
-    model_parallel_cuda_manual_seed(123)
     config = settings.transformer_config()
-    provider = settings.tiny.provider(settings.tied)
-    r, p = ps.get_pipeline_model_parallel_rank(), settings.ranks
-    if two_chunks(schedule):
-        chunks = build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
-    else:
-        chunks = [provider(config=config, pre_process=r == 0, post_process=r == p - 1)]
+    chunks = placed_chunks(settings.tiny.provider(settings.tied), config, schedule,
+                           settings.ranks)
     # every parameter in the run's dtype, norms too, as megatron's Float16Module does (keeps
-    # the Parameter objects, so the W hooks stay attached)
+    # the Parameter objects, so the W stores and hooks stay attached)
     chunks = [c.to(device=_device(settings), dtype=config.params_dtype) for c in chunks]
-    if schedule == "zb-1p":
-        defer_weight_grads(chunks[0], WeightGradStore())
     init_by_name(chunks, settings.tied)
     auto = schedule == "auto"
     return chunks, VShapeForwardBackward(

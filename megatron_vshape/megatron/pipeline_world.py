@@ -11,7 +11,8 @@ import contextlib
 import gc
 import threading
 
-__all__ = ["two_chunks", "model_parallel", "no_gc_pauses", "forward_progress"]
+__all__ = ["two_chunks", "model_parallel", "placed_chunks", "no_gc_pauses",
+           "forward_progress"]
 
 
 def two_chunks(schedule: str) -> bool:
@@ -37,6 +38,28 @@ def model_parallel(ranks: int, v_layout: bool, current: bool | None) -> bool:
     kwargs = {"get_embedding_ranks": v_embedding_ranks} if v_layout else {}
     ps.initialize_model_parallel(pipeline_model_parallel_size=ranks, **kwargs)
     return v_layout
+
+
+def placed_chunks(provider, config, schedule: str, ranks: int) -> list:
+    """This rank's model chunks under ``schedule``'s placement (a V's two, or megatron's one
+    per rank), seeded alike for every schedule; zb-1p's weight gradients deferred to W (the V
+    chunks defer theirs as they are built). The weights are the provider's: callers give every
+    schedule the same ones (tiny_gpt.init_by_name)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from ..runtime.wgrad import WeightGradStore
+    from .model import build_v_chunks
+    from .wgrad import defer_weight_grads
+
+    model_parallel_cuda_manual_seed(123)
+    if two_chunks(schedule):
+        return build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
+    rank = ps.get_pipeline_model_parallel_rank()
+    chunk = provider(config=config, pre_process=rank == 0, post_process=rank == ranks - 1)
+    if schedule == "zb-1p":
+        defer_weight_grads(chunk, WeightGradStore())
+    return [chunk]
 
 
 @contextlib.contextmanager
