@@ -7,18 +7,36 @@ schedule's measured timelines as pictures, plus ``demo.json`` with the numbers.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from .plan import model_help
+from .ui import subcommand
 
-__all__ = ["register"]
+__all__ = ["register", "missing_backend_warnings_hidden"]
+
+_MISSING_BACKENDS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+"""How megatron-core's warnings that it falls back to its local (torch) kernels begin: once
+per module and rank, a screenful before the demo's table."""
 
 
 def register(sub) -> None:
-    demo = sub.add_parser("demo", help="train a tiny megatron-core GPT on CPU under every schedule "
-                                       "(needs pip install -e '.[megatron]')")
+    demo = subcommand(
+        sub, "demo", help="train a tiny megatron-core GPT on CPU under every schedule "
+                          "(needs pip install -e '.[megatron]')",
+        description="Train a tiny megatron-core GPT on CPU gloo processes (one per pipeline "
+                    "rank) under megatron's own 1F1B and under every schedule of the plugin, "
+                    "and print one row per schedule: losses and gradients against 1F1B's, "
+                    "measured peak activation memory per rank, step times and the simulated "
+                    "bubble; then the same with emulated device time. Writes each schedule's "
+                    "measured timeline as a picture and demo.json. It takes about a minute.",
+        examples=["vshape demo", "vshape demo --ranks 4 --microbatches 8 --schedules "
+                                 "v-half,auto --no-emulate -o /tmp/vshape-demo"])
     demo.add_argument("--ranks", "-p", type=int, default=4, help="gloo processes (default 4)")
     demo.add_argument("--microbatches", "-m", type=int, default=8, help="default 8")
     demo.add_argument("--steps", type=int, default=4, help="training iterations (default 4)")
@@ -38,6 +56,27 @@ def register(sub) -> None:
                       help="where timelines and demo.json go (default ./vshape-demo)")
     demo.add_argument("--json", action="store_true", help="one JSON object per schedule")
     demo.set_defaults(handler=_demo)
+
+
+@contextmanager
+def missing_backend_warnings_hidden():
+    """Hide megatron-core's "Transformer Engine and Apex are not installed" warnings here and
+    in the rank processes the demo spawns (multiprocessing hands ``sys.warnoptions`` to them as
+    ``-W`` flags); yields the backends that are missing (what the one summary line names).
+    ``sys.warnoptions`` and the warning filters are restored on exit."""
+    missing = [name for name, module in (("Transformer Engine", "transformer_engine"),
+                                         ("Apex", "apex"))
+               if importlib.util.find_spec(module) is None]
+    options = [f"ignore:{message}:UserWarning" for message in _MISSING_BACKENDS]
+    saved = list(sys.warnoptions)
+    sys.warnoptions.extend(options)
+    try:
+        with warnings.catch_warnings():
+            for message in _MISSING_BACKENDS:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            yield missing
+    finally:
+        sys.warnoptions[:] = saved
 
 
 def _settings(args):
@@ -72,12 +111,16 @@ def _demo(args) -> int:
         raise ValueError(f"vshape demo needs torch and megatron-core: pip install -e '.[megatron]' "
                          f"({err})") from None
     settings, names = _settings(args)
-    with tqdm(total=len(names), desc="training under each schedule", unit="schedule",
-              disable=args.json) as progress:
-        def done(name):
-            progress.set_postfix_str(f"{name} done")
-            progress.update()
-        runs = run_schedules(settings, names, on_done=done)
+    with missing_backend_warnings_hidden() as missing:
+        if missing:
+            print(f"megatron-core: {' and '.join(missing)} not installed, using its local torch "
+                  f"fallbacks (fine on CPU; their warnings are hidden)", file=sys.stderr)
+        with tqdm(total=len(names), desc="training under each schedule", unit="schedule",
+                  disable=args.json) as progress:
+            def done(name):
+                progress.set_postfix_str(f"{name} done")
+                progress.update()
+            runs = run_schedules(settings, names, on_done=done)
     rows = _rows(settings, runs)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,9 @@ from ..experiments.collect import (H100_BF16_TFLOPS, collect, plot_throughput_vs
                                    write_csv)
 from ..experiments.commands import (command_line, write_array_job, write_commands,
                                     write_manifest)
-from ..experiments.grid import Expansion, expand
+from ..experiments.grid import PLAN_RULE, Expansion, expand, prune
 from ..experiments.grid_file import load_grid
+from .ui import add_progress_argument, counting, subcommand
 
 __all__ = ["register"]
 
@@ -28,7 +29,15 @@ _MAX_ARRAY = 1000
 
 def register(sub) -> None:
     """Add this module's subcommands to the ``vshape`` parser."""
-    grid = sub.add_parser("grid", help="expand a grid YAML into launch commands or a slurm array")
+    grid = subcommand(
+        sub, "grid", help="expand a grid YAML into launch commands or a slurm array",
+        description="Cross a grid file's sequence lengths, TP, PP, micro batch sizes and "
+                    "schedules into Megatron-LM runs (one command per point, or a slurm array "
+                    "job with one task per point), skipping, with the reason, every point "
+                    "Megatron-LM would reject or whose weights cannot fit. --prune also drops "
+                    "the points the planner (vshape plan) predicts cannot fit the GPU's memory.",
+        examples=["vshape grid gpt-9.6b --dry-run",
+                  "vshape grid gpt-9.6b --format slurm --prune -o runs/gpt-9.6b"])
     grid.add_argument("grid", metavar="GRID", help="a bundled grid's name (%s) or a grid file's "
                       "path (schema: megatron_vshape/configs/grid/README.md)"
                       % ", ".join(config_names("grid")))
@@ -40,8 +49,19 @@ def register(sub) -> None:
                            "an array job with one task per point")
     grid.add_argument("--dry-run", action="store_true",
                       help="list every point and every skipped one with its reason; write nothing")
+    grid.add_argument("--prune", action="store_true",
+                      help="drop the points whose weights, optimizer state and activations "
+                           "the planner predicts cannot fit gpu_memory_gib (seconds)")
+    add_progress_argument(grid)
     grid.set_defaults(handler=_grid)
-    col = sub.add_parser("collect", help="Megatron-LM training logs -> throughput/memory table")
+    col = subcommand(
+        sub, "collect", help="Megatron-LM training logs -> throughput/memory table",
+        description="Read Megatron-LM training logs (the grid's runs, or any run with "
+                    "--log-throughput and --log-memory-to-tensorboard style iteration lines) "
+                    "and print one row per run: status, schedule, parallel sizes, median "
+                    "iteration time, TFLOP/s, MFU, tokens per second per GPU and peak memory.",
+        examples=["vshape collect runs/gpt-9.6b/logs",
+                  "vshape collect logs/ --csv results.csv --plot results.png"])
     col.add_argument("log_dirs", nargs="+", metavar="LOG_DIR",
                      help="folders searched for *.log (recursively), or log files")
     col.add_argument("--csv", help="write one row per run to this CSV file")
@@ -51,11 +71,12 @@ def register(sub) -> None:
     col.add_argument("--warmup", type=int, default=3,
                      help="leave iterations 1..N out of the medians (default %(default)s)")
     col.set_defaults(handler=_collect)
-    paper = sub.add_parser("paper", help="predict the paper's grid search (docs/paper-reproduction.md)",
-                           description="Plan every grid file at each of its sequence lengths and "
-                                       "write the best configuration of each schedule family, "
-                                       "the best V's speed-up over 1F1B and 1F1B-R, and the "
-                                       "pure-pipeline comparison as markdown.")
+    paper = subcommand(
+        sub, "paper", help="predict the paper's grid search (docs/paper-reproduction.md)",
+        description="Plan every grid file at each of its sequence lengths and write the best "
+                    "configuration of each schedule family, the best V's speed-up over 1F1B "
+                    "and 1F1B-R, and the pure-pipeline comparison as markdown.",
+        examples=["vshape paper", "vshape paper gpt-9.6b --seq-lengths 1024 -o /tmp/9.6b.md"])
     paper.add_argument("grids", nargs="*", metavar="GRID", default=list(_PAPER_GRIDS),
                        help="bundled grids' names or grid files' paths (default: the paper's "
                             "four models, %(default)s)")
@@ -97,6 +118,15 @@ def _summary(expansion: Expansion, source: str) -> None:
         print(f"point 0: {command_line(grid, expansion.points[0])}")
 
 
+def _pruned(expansion: Expansion, args) -> Expansion:
+    with counting(args, len(expansion.points), "planning memory", "point") as done:
+        pruned = prune(expansion, on_point=done)
+    dropped = len(expansion.points) - len(pruned.points)
+    print(f"--prune: {dropped} of {len(expansion.points)} points dropped, the planner predicts "
+          f"they cannot fit {expansion.grid.gpu_memory_gib:g} GiB (rule {PLAN_RULE})")
+    return pruned
+
+
 def _dry_run(expansion: Expansion) -> None:
     print("points:")
     for point in expansion.points:
@@ -109,6 +139,8 @@ def _dry_run(expansion: Expansion) -> None:
 def _grid(args) -> int:
     grid = load_grid(args.grid)
     expansion = expand(grid)
+    if args.prune:
+        expansion = _pruned(expansion, args)
     _summary(expansion, args.grid)
     if args.dry_run:
         _dry_run(expansion)
@@ -125,7 +157,7 @@ def _grid(args) -> int:
     print(f"wrote {commands} ({len(expansion.points)} commands, line i = point i)")
     print(f"wrote {write_manifest(expansion, out / 'points.csv')}")
     if args.format == "slurm":
-        write_array_job(expansion, commands, out, args.grid)
+        write_array_job(expansion, commands, out, args.grid + (" --prune" if args.prune else ""))
         job = out / "grid.sbatch"
         count = len(expansion.points)
         print(f"wrote {job} (array 0-{count - 1}); from the repository root, with the "

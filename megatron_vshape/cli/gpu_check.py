@@ -14,13 +14,17 @@ import shlex
 import time
 from pathlib import Path
 
+from .ui import subcommand
+
 __all__ = ["register"]
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "gpu-check", help="check every schedule on one device (PP 4 processes sharing it) "
-                          "against 1F1B and the planner; profile the paper's layers on CUDA",
+    p = subcommand(
+        sub, "gpu-check", help="check every schedule on one device (PP 4 processes sharing it) "
+                               "against 1F1B and the planner; profile the paper's layers on CUDA",
+        examples=["vshape gpu-check --output gpu-check", "vshape gpu-check --device cpu --tiny "
+                                                         "--output /tmp/gpu-check"],
         description="Train a megatron-core GPT on 4 gloo processes sharing one device under "
                     "1f1b (our runtime, the reference), zb-1p, v-min, v-half, v-zb and auto; "
                     "write report.json and report.md (losses against the reference, peak "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..plan.model import load_model_config
 from .plan import model_help
+from .ui import subcommand
 from ..plan.profile_file import format_profile
 
 __all__ = ["register"]
@@ -23,13 +24,17 @@ largest models' layers fit one GPU."""
 
 def register(sub) -> None:
     """Add ``profile`` to the ``vshape`` parser."""
-    p = sub.add_parser(
-        "profile", help="measure per-layer F/B/W seconds and activation bytes for plan --profile",
+    p = subcommand(
+        sub, "profile", help="measure per-layer F/B/W seconds and activation bytes for plan "
+                             "--profile",
         description="Time a stack of the model's megatron-core transformer layers (local spec, "
                     "our B/W split) on this machine, CUDA (bf16) when available, else the CPU "
                     "(fp32), and write the profile file `vshape plan --profile` reads, with the "
                     "bytes a microbatch keeps per layer and the share still kept after B for W "
-                    "(docs/plan.md).")
+                    "(docs/plan.md).",
+        examples=["vshape profile --model small --layers 2 --iters 5 --warmup 1",
+                  "vshape profile --model gpt-9.6b --tensor-parallel 1 2 4 8 "
+                  "--micro-batch-sizes 1 2 -o cuda-gpt-9.6b.yaml"])
     p.add_argument("--model", required=True, metavar="NAME|FILE", help=model_help())
     p.add_argument("--seq-length", type=int, metavar="S",
                    help="tokens per sample (default: the model's)")

@@ -10,16 +10,17 @@ import json
 import sys
 from pathlib import Path
 
-from ..schedule import (SCHEDULES, VARIANTS, ScheduleError, build_schedule, parse_costs,
-                        parse_memory_model, simulate, validate)
+from ..schedule import (SCHEDULES, VARIANTS, Schedule, ScheduleError, SimResult, build_schedule,
+                        parse_costs, parse_memory_model, simulate, validate)
 from ..schedule.search.bounds import makespan_floor
 from ..schedule.model.limits import MemoryLimit, parse_bytes
 from ..schedule.search import frontier, search
 from ..schedule.io.render_image import render_png, render_svg
 from ..schedule.io.render_text import render_grid
 from ..schedule.io.torch_csv import to_torch_csv
+from .ui import add_progress_argument, progress, subcommand, working
 
-__all__ = ["register", "add_schedule_arguments", "memory_limit"]
+__all__ = ["register", "add_schedule_arguments", "memory_limit", "describe"]
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
@@ -63,32 +64,126 @@ def memory_limit(args) -> float | None:
 
 def register(sub) -> None:
     """Add this module's subcommands to the ``vshape`` parser."""
-    sim = sub.add_parser("simulate", help="simulate one schedule")
+    sim = subcommand(
+        sub, "simulate", help="simulate one schedule",
+        description="Build one schedule for P ranks and M microbatches, check it, and simulate "
+                    "it with the given pass costs: time (makespan, bubble rate) and peak "
+                    "activation memory per rank, in units of one microbatch's activations of "
+                    "one rank's layer share (1F1B peaks at P of them). Exit status 1 when the "
+                    "schedule breaks its memory bound or --memory-limit.",
+        examples=["vshape simulate --schedule v-half --ranks 4 --microbatches 8",
+                  "vshape simulate --schedule auto -p 8 -m 32 --costs 1,1.2,0.8,0.1 "
+                  "--memory-limit 0.5 --json"])
     add_schedule_arguments(sim)
     sim.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_verbose(sim)
     sim.set_defaults(handler=_simulate)
-    ren = sub.add_parser("render", help="draw a schedule's timeline")
+    ren = subcommand(
+        sub, "render", help="draw a schedule's timeline",
+        description="Draw one schedule's simulated timeline, one row per rank: text (.txt), "
+                    "SVG, or PNG (needs matplotlib: pip install -e '.[plot]').",
+        examples=["vshape render --schedule v-half --ranks 4 --microbatches 8 -o v-half.txt",
+                  "vshape render --schedule auto -p 8 -m 32 --memory-limit 0.5 -o auto.png"])
     add_schedule_arguments(ren)
     ren.add_argument("--output", "-o", required=True, help="FILE.txt, FILE.svg or FILE.png")
     ren.set_defaults(handler=_render)
-    exp = sub.add_parser("export", help="write a schedule as torch.distributed.pipelining CSV")
+    exp = subcommand(
+        sub, "export", help="write a schedule as torch.distributed.pipelining CSV",
+        description="Write one schedule in the CSV format torch.distributed.pipelining's "
+                    "_PipelineScheduleRuntime loads (one row per rank, one action per column), "
+                    "to run it without megatron-core.",
+        examples=["vshape export --schedule v-min --ranks 2 --microbatches 2 --format torch-csv",
+                  "vshape export --schedule v-zb -p 4 -m 16 -o v-zb.csv"])
     add_schedule_arguments(exp)
     exp.add_argument("--format", choices=["torch-csv"], default="torch-csv")
     exp.add_argument("--output", "-o", help="file (default: standard output)")
     exp.set_defaults(handler=_export)
-    cmp_ = sub.add_parser("compare", help="memory, bubble and makespan of every schedule")
+    cmp_ = subcommand(
+        sub, "compare", help="memory, bubble and makespan of every schedule",
+        description="Simulate every schedule (%s) for the same ranks, microbatches and costs, "
+                    "and print one row each: peak activation memory, as a ratio of 1F1B's, "
+                    "bubble rate and makespan." % ", ".join(SCHEDULES),
+        examples=["vshape compare --ranks 8 --microbatches 32",
+                  "vshape compare -p 4 -m 16 --costs 1,1.2,0.8,0.1 --plot compare.png"])
     add_schedule_arguments(cmp_, schedule=False)
     cmp_.add_argument("--json", action="store_true", help="one JSON object per schedule")
+    cmp_.add_argument("--plot", metavar="FILE.png",
+                      help="also draw peak memory and bubble rate of every schedule as bars "
+                           "(needs matplotlib)")
+    add_progress_argument(cmp_)
     cmp_.set_defaults(handler=_compare)
-    sea = sub.add_parser("search", help="the fastest V schedule under a memory limit (auto)")
+    sea = subcommand(
+        sub, "search", help="the fastest V schedule under a memory limit (auto)",
+        description="Search the fastest V-shape schedule whose peak activation memory stays "
+                    "under --memory-limit (default: 1F1B's), for the given pass costs; prints "
+                    "the schedule found (as simulate does), how many candidates were tried, "
+                    "and makespan_floor, a lower bound for any schedule under the same limit.",
+        examples=["vshape search --ranks 8 --microbatches 32 --costs 1,1.2,0.8,0.1 "
+                  "--memory-limit 0.5",
+                  "vshape search -p 8 -m 32 --memory-limit 40GiB --activation-bytes 6GiB"])
     add_schedule_arguments(sea, schedule=False)
     sea.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_verbose(sea)
+    add_progress_argument(sea)
     sea.set_defaults(handler=_search)
-    fro = sub.add_parser("frontier", help="Pareto frontier of peak memory vs bubble rate")
+    fro = subcommand(
+        sub, "frontier", help="Pareto frontier of peak memory vs bubble rate",
+        description="Search the fastest V-shape schedule at memory limits from V-Min's to "
+                    "1F1B's and keep the Pareto frontier: each row is the least bubble reached "
+                    "with at most that much memory. Takes seconds (a search per limit).",
+        examples=["vshape frontier --ranks 8 --microbatches 32",
+                  "vshape frontier -p 8 -m 32 --output frontier.png"])
     add_schedule_arguments(fro, schedule=False)
     fro.add_argument("--json", action="store_true", help="one JSON object per frontier point")
     fro.add_argument("--output", "-o", help="plot the frontier to FILE.png (needs matplotlib)")
+    _add_verbose(fro)
+    add_progress_argument(fro)
     fro.set_defaults(handler=_frontier)
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="also print how each schedule was built (details: the building "
+                             "block, offsets and passes applied, in the paper's words)")
+
+
+_WHAT = {
+    "1f1b": "1F1B, megatron's default order: one forward, one backward",
+    "interleaved-1f1b": "megatron's interleaved 1F1B",
+    "zb-1p": "zero bubble (ZB-1P): the backward split into input and weight gradient, "
+             "weight gradients fill the waits",
+    "v-min": "V-shape at V-Min's memory (about 1/3 of 1F1B's)",
+    "v-half": "V-shape at V-Half's memory (about 1/2 of 1F1B's)",
+    "v-zb": "V-shape zero bubble (V-ZB) at 1F1B's memory",
+    "auto": "the fastest V-shape order found under the memory limit",
+}
+"""What each schedule is, in a user's words (``describe``)."""
+
+
+def describe(schedule: Schedule, result: SimResult | None = None, variant: str = "fastest") -> str:
+    """A schedule in a user's words: what it is, its model chunks per rank and, with its
+    simulation, its memory relative to 1F1B's and its bubble. ``schedule.description`` (how it
+    was built) is the technical detail, shown under ``--verbose``."""
+    what = _WHAT.get(schedule.name, schedule.name)
+    if variant == "paper" and schedule.name in ("zb-1p", "v-min", "v-half", "v-zb"):
+        what += ", the paper's order"
+    chunks = schedule.placement.chunks
+    words = [what, f"{chunks} model chunk{'s' if chunks > 1 else ''} per rank"]
+    if result is not None:
+        words += [f"peak activation memory {result.peak_memory_vs_1f1b:.2f} x 1F1B's",
+                  f"bubble {result.bubble_rate:.1%}"]
+    return "; ".join(words)
+
+
+def _warn_few_microbatches(args, bubble: float | None = None) -> None:
+    """``m < p``: legal, but the pipeline never fills, so say so once (on standard error)."""
+    if args.microbatches >= args.ranks:
+        return
+    share = f" ({bubble:.0%} of the step here)" if bubble is not None else ""
+    print(f"vshape: warning: {args.microbatches} microbatches < {args.ranks} ranks: the "
+          f"pipeline never fills and the bubble dominates{share}; use --microbatches "
+          f"{args.ranks} or more, better {4 * args.ranks} or more (4 x ranks) for a small "
+          f"bubble (a larger global batch or a smaller micro batch gives more)", file=sys.stderr)
 
 
 def _report(name: str, args) -> tuple:
@@ -113,8 +208,10 @@ def _report(name: str, args) -> tuple:
         "peak_memory_max": round(result.peak_memory_max, 6),
         "peak_memory_vs_1f1b": round(result.peak_memory_vs_1f1b, 6),
         "memory_bound": schedule.memory_bound, "memory_limit": limit, "valid": valid,
-        "description": schedule.description,
+        "description": describe(schedule, result, args.variant),
     }
+    if getattr(args, "verbose", False):
+        record["details"] = schedule.description
     return schedule, result, record
 
 
@@ -130,12 +227,14 @@ def _print_record(record: dict, as_json: bool) -> None:
 
 def _simulate(args) -> int:
     _, _, record = _report(args.schedule, args)
+    _warn_few_microbatches(args, record["bubble_rate"])
     _print_record(record, args.json)
     return 0 if record["valid"] else 1
 
 
 def _render(args) -> int:
     schedule, result, record = _report(args.schedule, args)
+    _warn_few_microbatches(args, record["bubble_rate"])
     path = Path(args.output)
     title = (f"{args.schedule}  p={args.ranks} m={args.microbatches}  bubble {record['bubble_rate']:.3f}"
              f"  peak {record['peak_memory_max']:g} units")
@@ -165,10 +264,18 @@ def _export(args) -> int:
 
 
 def _compare(args) -> int:
-    records = [_report(n, args)[2] for n in SCHEDULES]
+    if args.plot and not args.plot.endswith(".png"):
+        raise ScheduleError(f"--plot must end in .png, got {args.plot!r}")
+    _warn_few_microbatches(args)
+    records = [_report(n, args)[2]
+               for n in progress(SCHEDULES, args, desc="simulating", unit="schedule")]
+    if args.plot:
+        _plot_compare(args, records)
     if args.json:
         for record in records:
             print(json.dumps(record))
+        if args.plot:
+            print(f"wrote {args.plot}", file=sys.stderr)
         return 0
     print(f"p={args.ranks} m={args.microbatches} costs F,B,W,COMM={args.costs}   "
           "(memory in units of one microbatch's activations of one rank's layer share)")
@@ -178,14 +285,47 @@ def _compare(args) -> int:
     for r in records:
         print(f"{r['schedule']:<18}{r['peak_memory_max']:>9g}{r['peak_memory_vs_1f1b']:>9.3f}"
               f"{r['bubble_rate']:>9.3f}{r['bubble_rate_span']:>13.3f}{r['makespan']:>10g}{str(r['valid']):>7}")
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0
+
+
+def _plot_compare(args, records: list[dict]) -> None:
+    """Two bar panels, one bar per schedule: peak activation memory as a ratio of 1F1B's, and
+    bubble rate (matplotlib, imported here: the ``[plot]`` extra)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ScheduleError("--plot needs matplotlib: pip install -e '.[plot]'") from None
+    names = [r["schedule"] for r in records]
+    fig, (mem, bub) = plt.subplots(1, 2, figsize=(9, 0.4 * len(names) + 1.6), sharey=True)
+    try:
+        for ax, key, label in ((mem, "peak_memory_vs_1f1b", "peak activation memory / 1F1B's"),
+                               (bub, "bubble_rate", "bubble rate")):
+            values = [r[key] for r in records]
+            ax.barh(names, values, color=["tab:grey" if n in ("1f1b", "interleaved-1f1b")
+                                          else "tab:blue" for n in names])
+            for y, value in enumerate(values):
+                ax.text(value, y, f" {value:.2f}", va="center", fontsize=8)
+            ax.set_xlabel(label)
+            ax.set_xlim(0, max(values + [1e-9]) * 1.2)
+        mem.invert_yaxis()
+        fig.suptitle(f"p={args.ranks} m={args.microbatches} costs F,B,W,COMM={args.costs}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def _search(args) -> int:
     costs = parse_costs(args.costs, args.ranks)
-    found = search(args.ranks, args.microbatches, costs, memory_limit(args),
-                   parse_memory_model(args.memory_model))
-    _, _, record = _report("auto", args)
+    _warn_few_microbatches(args)
+    with working(args, "searching"):
+        found = search(args.ranks, args.microbatches, costs, memory_limit(args),
+                       parse_memory_model(args.memory_model))
+        _, _, record = _report("auto", args)
     record["search_seconds"] = round(found.seconds, 4)
     record["candidates"] = found.candidates
     limit = found.schedule.memory_bound  # the limit searched under, in units
@@ -197,12 +337,16 @@ def _search(args) -> int:
 
 def _frontier(args) -> int:
     costs = parse_costs(args.costs, args.ranks)
-    points = frontier(args.ranks, args.microbatches, costs, parse_memory_model(args.memory_model))
+    _warn_few_microbatches(args)
+    with working(args, "searching the frontier"):
+        points = frontier(args.ranks, args.microbatches, costs,
+                          parse_memory_model(args.memory_model))
     rows = [{
         "peak_memory_max": round(f.result.peak_memory_max, 6),
         "peak_memory_vs_1f1b": round(f.result.peak_memory_vs_1f1b, 6),
         "bubble_rate": round(f.result.bubble_rate, 6), "makespan": round(f.result.makespan, 6),
-        "description": f.schedule.description,
+        "description": describe(f.schedule),
+        **({"details": f.schedule.description} if args.verbose else {}),
     } for f in points]
     if args.json:
         for row in rows:
@@ -213,6 +357,8 @@ def _frontier(args) -> int:
         for row in rows:
             print(f"{row['peak_memory_max']:>9g}{row['peak_memory_vs_1f1b']:>9.3f}{row['bubble_rate']:>9.3f}  "
                   f"{row['description']}")
+            if args.verbose:
+                print(f"{'':>29}{row['details']}")
     if args.output:
         _plot_frontier(args, costs, rows)
         print(f"wrote {args.output}", file=sys.stderr if args.json else sys.stdout)

@@ -15,16 +15,17 @@ placement (``megatron/layers.py``), so a point that passes does not die at argum
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..plan.model import ModelConfig
 from ..schedule import SCHEDULES, Layout, build_schedule
 
 __all__ = ["ScheduleChoice", "Gpus", "SlurmOptions", "GridConfig", "LayerSplit", "Point", "Skip",
-           "Expansion", "RULES", "expand", "schedule_layout", "layer_split",
+           "Expansion", "RULES", "PLAN_RULE", "expand", "prune", "schedule_layout", "layer_split",
            "model_state_bytes_lower_bound"]
 
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -259,7 +260,7 @@ class Skip:
     label: str
     """The schedule choice's name."""
     rule: str
-    """The first rule it fails (a key of :data:`RULES`)."""
+    """The first rule it fails (a key of :data:`RULES`), or :data:`PLAN_RULE` (:func:`prune`)."""
     reason: str
     """What is wrong, with the numbers, and what would make it valid."""
 
@@ -435,3 +436,82 @@ def expand(grid: GridConfig) -> Expansion:
         points.append(Point(len(points), grid.name, c.seq_length, c.global_batch, c.dp, c.tp,
                             c.pp, c.mbs, c.choice, c.layout, split))
     return Expansion(grid, tuple(points), tuple(skipped))
+
+
+PLAN_RULE = "plan-memory"
+"""The rule of the points :func:`prune` drops."""
+_RECOMPUTE_FLAGS = {"full": "--recompute-granularity full",
+                    "selective": "--recompute-granularity selective"}
+
+
+def _recompute(choice: ScheduleChoice) -> str:
+    """The planner's recomputation kind for a schedule choice's flags."""
+    flags = " ".join(choice.extra_args)
+    return next((kind for kind, flag in _RECOMPUTE_FLAGS.items() if flag in flags), "none")
+
+
+def _training(grid: GridConfig, seq_length: int):
+    """The planner's training settings for the grid's Megatron-LM flags at ``seq_length``."""
+    from ..plan.settings import TrainingConfig
+
+    flags = " ".join(grid.extra_args)
+    precision = "bf16" if ("--bf16" in flags or "--fp16" in flags) else "fp32"
+    return TrainingConfig(
+        seq_length, grid.global_batch_for(seq_length), precision=precision,
+        flash_attention="--attention-backend flash" in flags or "--use-flash-attn" in flags,
+        sequence_parallel="--sequence-parallel" in flags,
+        distributed_optimizer=grid.distributed_optimizer)
+
+
+def prune(expansion: Expansion, on_point: Callable[[], None] | None = None) -> Expansion:
+    """``expansion`` without the points the planner predicts cannot fit the GPU's memory
+    (weights, gradients, optimizer state and the schedule's peak activations on its fullest
+    rank, :mod:`..plan.evaluate` and :mod:`..plan.memory`), each skipped under
+    :data:`PLAN_RULE` with the planner's reason; the rest renumbered 0, 1, ... in order.
+
+    Needs ``gpu_memory_gib`` in the grid. The flags the planner models are read off the grid's
+    ``extra_args`` (bf16, flash attention, sequence parallel, distributed optimizer, full or
+    selective recomputation); ``auto`` fits where the planner's search finds a V schedule under
+    the memory left. ``on_point`` is called after each point (progress).
+    """
+    from ..plan.evaluate import Evaluator
+    from ..plan.settings import ClusterConfig
+
+    grid = expansion.grid
+    if grid.gpu_memory_gib is None:
+        raise ValueError(f"grid {grid.name}: pruning by memory needs gpu_memory_gib in the grid "
+                         f"file (e.g. gpu_memory_gib: 80)")
+    cluster = ClusterConfig(grid.gpus.total, grid.gpu_memory_gib,
+                            gpus_per_node=grid.gpus.per_node)
+    evaluators = {s: Evaluator(grid.model, _training(grid, s), cluster) for s in grid.seq_lengths}
+    reasons: dict[tuple, str | None] = {}  # auto and auto-mem0.5 share a point's verdict
+    kept: list[Point] = []
+    skipped = list(expansion.skipped)
+    for point in expansion.points:
+        key = (point.seq_length, point.dp, point.tp, point.pp, point.mbs,
+               point.choice.schedule, _recompute(point.choice))
+        if key not in reasons:
+            reasons[key] = _memory_failure(evaluators[point.seq_length], point, key[-1])
+        if reasons[key] is None:
+            kept.append(dataclasses.replace(point, index=len(kept)))
+        else:
+            skipped.append(Skip(point.seq_length, point.tp, point.pp, point.mbs, point.dp,
+                                point.choice.name, PLAN_RULE, reasons[key]))
+        if on_point is not None:
+            on_point()
+    return Expansion(grid, tuple(kept), tuple(skipped))
+
+
+def _memory_failure(evaluator, point: Point, recompute: str) -> str | None:
+    """The planner's reason ``point`` cannot fit, or None. ``auto`` fits where V-Min does (the
+    search reaches V-Min's memory), else where the planner's own search finds a schedule."""
+    from ..plan.candidates import GridPoint
+
+    at = GridPoint(point.dp, point.tp, point.pp, point.mbs, point.microbatches)
+    if point.choice.schedule == "auto" and point.pp > 1:
+        if evaluator.evaluate(at, "v-min").feasible:
+            return None
+        prediction = evaluator.evaluate_auto(at)
+    else:
+        prediction = evaluator.evaluate(at, point.choice.schedule, recompute)
+    return prediction.reason if prediction.reason_kind in ("memory", "search") else None
