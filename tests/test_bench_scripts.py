@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model, simulate
+from megatron_vshape.schedule import build_schedule, parse_costs, simulate
 from megatron_vshape.schedule.model.actions import PassKind
+from conftest import B_FREES, H100
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
 
@@ -58,11 +59,10 @@ def test_named_levels_bench_reports_each_name_against_1f1b_and_the_paper():
         assert row["vs_1f1b"] <= row["paper_vs_1f1b"] + 1e-9  # never slower than the paper
         assert row["peak_memory_max"] <= {"zb-1p": 4, "v-half": 3}[row["schedule"]] + 1e-9
         assert row["build_s_median"] > 0 and row["memory_model"] == "1,-0.75,-0.25"
-    built = build_schedule("v-half", 4, 16, parse_costs("2,2.78,0.7,0.05", 4),
-                           memory=parse_memory_model("1,-0.75,-0.25"))
+    built = build_schedule("v-half", 4, 16, parse_costs(H100, 4), memory=B_FREES)
     digest = hashlib.sha1(repr(built.rank_actions).encode()).hexdigest()[:12]
     assert rows[1]["orders_sha1"] == digest != rows[0]["orders_sha1"]
-    timed = simulate(built, parse_costs("2,2.78,0.7,0.05", 4), parse_memory_model("1,-0.75,-0.25"))
+    timed = simulate(built, parse_costs(H100, 4), B_FREES)
     forwards = [start for a, start in zip(built.rank_actions[0], timed.start[0])
                 if a.kind is PassKind.F and a.stage == 0]  # rank 0, microbatch order
     assert rows[1]["steady_per_microbatch"] == round((forwards[12] - forwards[4]) / 8, 4)

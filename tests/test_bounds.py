@@ -6,6 +6,7 @@ from megatron_vshape.schedule import Costs, build_schedule, simulate
 from megatron_vshape.schedule.search.bounds import lifetime_per_microbatch, makespan_floor
 from megatron_vshape.schedule.model.costs import MemoryModel
 from megatron_vshape.schedule.model.placement import Layout, Placement
+from conftest import h100_costs
 
 UNBALANCED = (1.0, 1.2, 0.8)
 
@@ -60,7 +61,7 @@ def test_fill_and_drain_rule_out_v_zb_at_092_of_1f1b_for_p4_m32():
     each, one chunk-activation each) hide 2.8: 181.5, 0.934 x 1F1B's 194.4. When B frees
     three quarters (1,-0.75,-0.25), 32 W fit and hide the drain: 179.98, still 0.926 x."""
     p, m = 4, 32
-    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(p)
     one = simulate(build_schedule("1f1b", p, m), c).makespan
     floor = makespan_floor(Placement(p, Layout.V), m, c, p)
     assert floor == pytest.approx(181.5) and floor > 0.92 * one
@@ -75,7 +76,7 @@ def test_fill_and_drain_rule_out_v_zb_at_092_of_1f1b_at_m_8p(p, default, frees):
     (the last rank waits for its first gradient with its p units full: 3.43 at p = 8); when B
     frees three quarters the floor is below 0.92 (no proof there)."""
     m = 8 * p
-    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(p)
     one = simulate(build_schedule("1f1b", p, m), c).makespan
     placement = Placement(p, Layout.V)
     assert makespan_floor(placement, m, c, p) / one == pytest.approx(default, abs=1e-4)
@@ -90,7 +91,7 @@ def test_little_rules_out_v_min_at_110_of_1f1b_for_p16_m128():
     microbatch's activations for so long that no order finishes before 1.105 x 1F1B's
     makespan (797.0). When B frees three quarters the floor is 1.098: no proof there."""
     p, m = 16, 128
-    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(p)
     one = simulate(build_schedule("1f1b", p, m), c).makespan
     level = (p + 4) // 3
     assert makespan_floor(Placement(p, Layout.V), m, c, level) > 1.10 * one

@@ -1,6 +1,6 @@
 """The paper code's two constructions, written ours: the pass-by-pass slot reorder of V-Min and
-V-Half (build/slot_reorder.py) and V-ZB's cost-aware wave (build/wave.py). Every order is valid
-and within its bound; at the points where the reference generator beat us before (issue 15's
+V-Half (construct/slot_reorder.py) and V-ZB's cost-aware wave (construct/wave.py). Every order is
+valid and within its bound; at the points where the reference generator beat us before (issue 15's
 comparison, sail-sg/zero-bubble-pipeline-parallelism at 39f2c186, run by
 scripts/bench/reference_compare.py) they reach its bubbles."""
 import pytest
@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Schedule,
                                       ScheduleError, simulate, validate)
-from megatron_vshape.schedule.build.blocks import V_HALF, V_MIN, V_ZB
-from megatron_vshape.schedule.build.slot_reorder import slot_reorder
-from megatron_vshape.schedule.build.wave import wave_schedule
+from megatron_vshape.schedule.construct.blocks import V_HALF, V_MIN, V_ZB
+from megatron_vshape.schedule.construct.slot_reorder import slot_reorder
+from megatron_vshape.schedule.construct.wave import wave_schedule
 
 
 def _schedule(p, m, orders):
@@ -40,7 +40,7 @@ def test_slot_reorder_gives_the_papers_code_bubbles(family, p, m, bubble):
 
 
 def test_slot_reorder_refuses_a_one_chunk_block():
-    from megatron_vshape.schedule.build.blocks import ZB_1P
+    from megatron_vshape.schedule.construct.blocks import ZB_1P
     with pytest.raises(ScheduleError, match="V block"):
         slot_reorder(ZB_1P.build(4), 8)
 

@@ -1,4 +1,4 @@
-"""Issue 15: unit-slot bubbles filled without raising the peak (build/gap_fill.py), the paper
+"""Issue 15: unit-slot bubbles filled without raising the peak (rewrite/gap_fill.py), the paper
 code's last reordering step, and the points of the reference's adaptive search it lets ``auto``
 reach."""
 from collections import Counter
@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import Costs, MemoryModel, PassKind, build_schedule, simulate, validate
-from megatron_vshape.schedule.build.gap_fill import fill_gaps
-from megatron_vshape.schedule.build.shapes import reshape_warm_up, unit_slots
+from megatron_vshape.schedule.rewrite.gap_fill import fill_gaps
+from megatron_vshape.schedule.rewrite.reshape_ends import reshape_warm_up, unit_slots
 from megatron_vshape.schedule.model.simulate import peak_memory
 from megatron_vshape.schedule.search import adaptive, improvements
 from megatron_vshape.schedule.search.adaptive import search
+from conftest import B_FREES
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
-_FREEING = MemoryModel(1.0, -0.75, -0.25)
 
 
 def _unit_makespan(schedule) -> float:
@@ -28,7 +28,7 @@ def _unit_makespan(schedule) -> float:
 def test_filled_orders_keep_passes_stage_order_and_peak(p, m_factor, name, relaid, freeing):
     """Same passes per rank, each stage's microbatches in order, valid, never a higher peak
     (under the model it filled with), and never longer in unit slots."""
-    memory = _FREEING if freeing else MemoryModel()
+    memory = B_FREES if freeing else MemoryModel()
     paper = build_schedule(name, p, m_factor * p, variant="paper")
     orders = paper.rank_actions
     if relaid:

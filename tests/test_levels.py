@@ -1,5 +1,5 @@
 """Named schedules as memory levels (schedule/search/levels.py), the local search over orders
-(search/local.py) and the cost-aware greedy (build/greedy.py): every order they return is valid
+(search/local.py) and the cost-aware greedy (construct/greedy.py): every order they return is valid
 and within its level, never slower than the paper's order, and a memory model that frees more
 at B never makes them slower."""
 import pytest
@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Schedule,
                                       ScheduleError, build_schedule, parse_memory_model, search,
                                       simulate, validate)
-from megatron_vshape.schedule.build.greedy import Policy, greedy_schedule
+from megatron_vshape.schedule.construct.greedy import Policy, greedy_schedule
 from megatron_vshape.schedule.search.levels import LEVEL_NAMES, memory_level
 from megatron_vshape.schedule.search import local
 from megatron_vshape.schedule.search.local import _Search, improve, improve_repeated
+from conftest import B_FREES, h100_costs
 
-FREES_AT_B = MemoryModel(1, -0.75, -0.25)
 costs_strategy = st.tuples(
     st.sampled_from([1.0, 2.0]), st.sampled_from([1.0, 1.2, 1.39 * 2, 2.4]),
     st.sampled_from([0.35, 0.8, 1.6, 2.0]), st.sampled_from([0.0, 0.05, 0.5]))
@@ -24,7 +24,7 @@ costs_strategy = st.tuples(
 @given(name=st.sampled_from(LEVEL_NAMES), p=st.integers(2, 6), m=st.integers(1, 14),
        costs=costs_strategy, frees=st.booleans())
 def test_a_level_is_valid_within_its_bound_and_never_slower_than_the_paper(name, p, m, costs, frees):
-    memory = FREES_AT_B if frees else MemoryModel()
+    memory = B_FREES if frees else MemoryModel()
     c = Costs.build(p, *costs)
     fastest = build_schedule(name, p, m, c, memory=memory)
     paper = build_schedule(name, p, m, variant="paper")
@@ -47,7 +47,7 @@ def test_a_model_that_frees_more_at_b_is_never_slower(name, p, m, costs, backwar
 def test_auto_under_a_model_that_frees_at_b_is_never_slower(p, m, limit):
     c = Costs.build(p, 1, 1.2, 0.8, 0.05)
     default = search(p, m, c, limit).result.makespan
-    assert search(p, m, c, limit, FREES_AT_B).result.makespan <= default + 1e-9
+    assert search(p, m, c, limit, B_FREES).result.makespan <= default + 1e-9
 
 
 def test_default_costs_keep_the_papers_memory_table():
@@ -71,7 +71,7 @@ def test_issue_examples_reach_the_reference_generator(name, p, m, costs, at_most
 
 
 def test_the_paper_variant_is_the_fixed_order_and_bad_variants_are_refused():
-    c = Costs.build(4, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(4)
     paper = build_schedule("v-half", 4, 16, c, variant="paper")
     assert paper.rank_actions == build_schedule("v-half", 4, 16, variant="paper").rank_actions
     assert paper.description.startswith("v-half block")
@@ -81,7 +81,7 @@ def test_the_paper_variant_is_the_fixed_order_and_bad_variants_are_refused():
 
 
 def test_memory_model_parsing_names_the_flag():
-    assert parse_memory_model("1,-0.75,-0.25") == FREES_AT_B
+    assert parse_memory_model("1,-0.75,-0.25") == B_FREES
     with pytest.raises(ScheduleError, match="--memory-model must be F,B,W"):
         parse_memory_model("1,0")
     with pytest.raises(ScheduleError, match="sum to 0"):
@@ -104,7 +104,7 @@ def test_local_search_never_worsens_and_keeps_the_limit():
 
 def test_a_move_repeated_per_microbatch_is_made_in_every_period_and_keeps_the_order_valid():
     p, m = 4, 16
-    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(p)
     start = build_schedule("v-min", p, m, variant="paper")
     search = _Search(start.placement, m, start.rank_actions, c, 4, MemoryModel(), 6)
     r, i, (new, changed) = next((r, i, moved) for r, j, i in search._moves()
@@ -124,7 +124,7 @@ def test_the_deadlock_check_agrees_with_timing_every_single_move(name, p, m, mon
     """Every move of one pass earlier (window 6) of a paper order, not blocked outright:
     ``_deadlocks`` says True exactly when timing the moved orders gets stuck (with room to
     search the whole graph), and with the default probe only ever for moves that get stuck."""
-    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(p)
     start = build_schedule(name, p, m, variant="paper")
     search = _Search(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
     moves = []
@@ -147,7 +147,7 @@ def test_a_repeated_move_whose_single_move_deadlocks_is_not_timed_and_would_dead
         name, p, m):
     """``_repeated`` drops a move whose single move surely deadlocks (``_deadlocks``); made in
     every period anyway, each of those orders gets stuck when timed (local.py's claim)."""
-    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(p)
     start = build_schedule(name, p, m, variant="paper")
     search = _Search(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
     dead = [(r, j, i) for r, order in enumerate(search.orders) for j in range(1, len(order))
@@ -171,7 +171,7 @@ def test_moves_repeated_per_microbatch_cross_the_single_moves_plateau():
     takes the single moves' local search to 134.9 and the one with repeated moves to 127.0
     (1F1B: 105.5): a steady state improves only when every period of it changes."""
     p, m = 4, 16
-    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(p)
     start = build_schedule("v-min", p, m, variant="paper")
     single = improve(start.placement, m, start.rank_actions, c, cap=4, budget=1_000_000)
     repeated = improve_repeated(start.placement, m, start.rank_actions, c, cap=4,
@@ -186,7 +186,7 @@ def test_v_min_at_p4_takes_the_moves_repeated_per_microbatch():
     """The search's last step at V-Min's memory on small schedules (adaptive.py): at the H100
     costs, p = 4, m = 16, it takes v-min from 1.219 to 1.196 x 1F1B."""
     p, m = 4, 16
-    c = Costs.build(p, 2, 2.78, 0.7, 0.05)
+    c = h100_costs(p)
     v_min = build_schedule("v-min", p, m, c)
     validate(v_min, memory_limit=memory_level("v-min", p))
     assert "moves repeated per microbatch" in v_min.description
@@ -199,9 +199,9 @@ def test_greedy_one_chunk_orders_are_valid_and_refuse_an_impossible_limit():
     placement = Placement(p, Layout.SINGLE)
     c = Costs.build(p, 1, 1.39, 0.35, 0.05)
     for policy in (Policy(), Policy(ranked_warm_up=True, alternate=True)):
-        found = greedy_schedule(placement, m, c, p, FREES_AT_B, policy)
+        found = greedy_schedule(placement, m, c, p, B_FREES, policy)
         schedule = Schedule("g", placement, m, found.orders)
-        validate(schedule, memory_limit=p, memory=FREES_AT_B)
-        assert simulate(schedule, c, FREES_AT_B).makespan <= found.makespan + 1e-9
+        validate(schedule, memory_limit=p, memory=B_FREES)
+        assert simulate(schedule, c, B_FREES).makespan <= found.makespan + 1e-9
     with pytest.raises(ScheduleError, match="cannot hold one microbatch"):
         greedy_schedule(placement, m, c, 0.5)

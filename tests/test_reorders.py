@@ -4,12 +4,12 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import (Layout, Placement, PassKind, Schedule, ScheduleError, simulate,
                                       validate)
-from megatron_vshape.schedule.build.blocks import V_HALF, V_MIN, ZB_1P
-from megatron_vshape.schedule.build.compose import REORDERS, compose, repeat
-from megatron_vshape.schedule.build.cooldown import cool_down
+from megatron_vshape.schedule.construct.blocks import V_HALF, V_MIN, ZB_1P
+from megatron_vshape.schedule.construct.compose import REORDERS, compose, repeat
+from megatron_vshape.schedule.construct.cooldown_reorder import cool_down
 from megatron_vshape.schedule.model.deps import completion_key, dependencies
 from megatron_vshape.schedule.model.simulate import peak_memory
-from megatron_vshape.schedule.build.zbv import zbv_order
+from megatron_vshape.schedule.construct.zbv import zbv_order
 
 
 def _schedule(orders, layout, p, m):
@@ -123,7 +123,7 @@ def test_unknown_reorder_is_named():
 @pytest.mark.parametrize("p", [4, 8])
 def test_continuous_block_at_uniform_costs_is_v_min(p):
     from megatron_vshape.schedule import Costs, build_schedule
-    from megatron_vshape.schedule.build.periodic import periodic_block, periodic_orders
+    from megatron_vshape.schedule.construct.periodic import periodic_block, periodic_orders
 
     m = 4 * p
     schedule = _schedule(periodic_orders(periodic_block(p, Costs.build(p)), m), Layout.V, p, m)
@@ -138,7 +138,7 @@ def test_continuous_block_at_uniform_costs_is_v_min(p):
        costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)))
 def test_timed_replay_is_valid_keeps_the_cap_and_times_like_the_simulator(p, m_factor, window, costs):
     from megatron_vshape.schedule import Costs, ScheduleError, build_schedule
-    from megatron_vshape.schedule.build.timed import replay_in_time
+    from megatron_vshape.schedule.rewrite.replay import replay_in_time
 
     m = max(1, round(m_factor * p))
     base = build_schedule("v-half", p, m)
@@ -166,7 +166,7 @@ def test_a_replay_is_abandoned_exactly_when_its_peak_would_pass_the_mark(p, m_fa
     ``abandon_above`` raises exactly when the full replay's peak passes the mark, and
     otherwise changes nothing."""
     from megatron_vshape.schedule import Costs, MemoryModel, build_schedule
-    from megatron_vshape.schedule.build.timed import replay_in_time
+    from megatron_vshape.schedule.rewrite.replay import replay_in_time
 
     m = max(1, round(m_factor * p))
     memory = MemoryModel(1, -0.75, -0.25) if freeing else MemoryModel()
@@ -195,9 +195,9 @@ def test_repeated_peak_is_the_highest_level_of_the_repeated_orders(p, m, pick, b
     them, the highest level of ``repeat``'s orders: V family blocks and the fixed blocks,
     split or fused backward, under memory models that free at B or not."""
     from megatron_vshape.schedule import MemoryModel
-    from megatron_vshape.schedule.build.blocks import ONE_F_ONE_B, V_HALF, V_ZB
-    from megatron_vshape.schedule.build.compose import repeated_peak
-    from megatron_vshape.schedule.build.family import v_block, v_family
+    from megatron_vshape.schedule.construct.blocks import ONE_F_ONE_B, V_HALF, V_ZB
+    from megatron_vshape.schedule.construct.compose import repeated_peak
+    from megatron_vshape.schedule.construct.family import v_block, v_family
     from megatron_vshape.schedule.model.simulate import level_peak
 
     blocks = [b for b in (v_block(p, o) for o in v_family(p)) if b is not None]

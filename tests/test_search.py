@@ -135,7 +135,7 @@ def test_unbalanced_costs_at_v_min_memory_beat_1f1b(p, comm):
 
     Measured (auto vs 1F1B bubble, m = 4p): comm 0: p=4 0.213 vs 0.158, p=8 0.187 vs 0.179,
     p=16 0.265 vs 0.190; comm 0.1: p=4 0.274 vs 0.197, p=8 0.243 vs 0.225, p=16 0.364 vs 0.237
-    (with the deferred W passes of build/wfill.py; before them p=8 0.205 and 0.263).
+    (with the deferred W passes of rewrite/weight_deferral.py; before them p=8 0.205 and 0.263).
 
     What is known (memory model: a chunk's activation lives from its F's start to its W's end):
 
@@ -179,8 +179,8 @@ def test_unbalanced_costs_reach_the_orders_cp_sat_found(p, comm, target):
     """Issue 15's targets at V-Min's memory, costs 1,1.2,0.8, m = 4p: the makespans of the best
     orders issue 3's CP-SAT runs had found. p = 4 needs the final polish (61.4 and 67.2
     without it); measured 61.0, 66.1, 118.1, 126.9 (61.0, 66.4, 119.5, 128.6 before the
-    deferred W passes of build/wfill.py; 61.1, 66.6, 120.7, 129.7 before the re-laid
-    warm-ups and cool-downs of build/shapes.py): below the time-limited CP-SAT runs'."""
+    deferred W passes of rewrite/weight_deferral.py; 61.1, 66.6, 120.7, 129.7 before the re-laid
+    warm-ups and cool-downs of rewrite/reshape_ends.py): below the time-limited CP-SAT runs'."""
     m = 4 * p
     c = Costs.build(p, *UNBALANCED, comm=comm)
     assert search(p, m, c, (p + 4) // 3).result.makespan <= target + 1e-9

@@ -46,7 +46,7 @@ import pytest
 
 from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Schedule,
                                       build_schedule, parse_costs, simulate, validate)
-from megatron_vshape.schedule.build.periodic import PeriodicBlock, periodic_orders
+from megatron_vshape.schedule.construct.periodic import PeriodicBlock, periodic_orders
 from megatron_vshape.schedule.model.actions import Action, PassKind
 from megatron_vshape.schedule.model.deps import completion_key, dependencies
 

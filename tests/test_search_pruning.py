@@ -6,13 +6,13 @@ import pytest
 from megatron_vshape.schedule import Costs, Schedule, ScheduleError, build_schedule, search
 from megatron_vshape.schedule.model.costs import MemoryModel
 from megatron_vshape.schedule.model.deps import dependencies, dependency_table
-from megatron_vshape.schedule.build.family import VOffsets, _distinct, _slots, v_block, v_family
-from megatron_vshape.schedule.build.blocks import V_HALF, V_MIN, V_ZB
+from megatron_vshape.schedule.construct.family import VOffsets, _distinct, _slots, v_block, v_family
+from megatron_vshape.schedule.construct.blocks import V_HALF, V_MIN, V_ZB
 from megatron_vshape.schedule.search.adaptive import InfeasibleMemoryError, _search_cached
 from megatron_vshape.schedule.search.constructions import (_lifespan_bound, _named_over, _probe_peak,
                                                            _steady)
 from megatron_vshape.schedule.model.simulate import peak_memory
-from megatron_vshape.schedule.build.timed import replay_in_time
+from megatron_vshape.schedule.rewrite.replay import replay_in_time
 
 
 @pytest.mark.parametrize("p", range(2, 13))

@@ -1,7 +1,7 @@
 """Schedule names -> schedules. The one place the CLI and the runtime look names up."""
 from __future__ import annotations
 
-from .build.named import paper_schedule
+from .construct.named import paper_schedule
 from .model.actions import ScheduleError
 from .model.costs import Costs, MemoryModel
 from .model.schedule import Schedule

@@ -11,7 +11,7 @@ Candidates, all V-shaped (two chunks per rank):
                      memory, for small cases, and when nothing else fits)
     continuous       periodic.py's cost-aware blocks (real-time offsets), a few periods,
                      below V-Half's bound
-    timed replay     the best few of the above replayed in real time under the limit (timed.py),
+    timed replay     the best few of the above replayed in real time under the limit (replay.py),
                      which fills the stalls of unbalanced costs with W, B and fitting F passes:
                      the 4 fastest, plus the fastest of up to 2 other memory peaks, since
                      replays reorder the candidates (3 and 1 for over 12,000 passes); the
@@ -20,7 +20,7 @@ Candidates, all V-shaped (two chunks per rank):
                      (p = 4, m = 64, costs 2,2.4,1.6,0.5 at 3 units: 0.119 bubble, not 0.041)
     re-laid          the 4 fastest of the above and every finished construction, with each
                      rank's warm-up, and warm-up and cool-down, re-laid in the shapes the
-                     paper code's adaptive search gives them (shapes.py), at the limit's peak
+                     paper code's adaptive search gives them (reshape_ends.py), at the limit's peak
                      (the warm-up also at the candidate's own): a rank runs chunk 1's F, B and
                      W back to back where the block's slots make it wait, and the last
                      gradients walk tight (costs 2,2,2, hop 0.1, p = 8 at 4 units: m = 16
@@ -30,11 +30,11 @@ Candidates, all V-shaped (two chunks per rank):
                      then the fastest of all (re-laid first if it is not yet) polished once
                      more with a larger budget
     W deferred       the 5 fastest of all with every W moved to where its rank would wait
-                     (wfill.py): the backlog the steady state builds within the candidate's
-                     own peak fills the cool-down's waits for the last gradients (H100 costs
-                     2,2.78,0.7,0.05, p = 8, m = 64 at V-Half's memory: 1.043 -> 0.999 x
-                     1F1B); the fastest, if it wins, polished once more; like the re-laid
-                     ones, left out with ``shapes=False``
+                     (weight_deferral.py): the backlog the steady state builds within the
+                     candidate's own peak fills the cool-down's waits for the last gradients
+                     (H100 costs 2,2.78,0.7,0.05, p = 8, m = 64 at V-Half's memory: 1.043 ->
+                     0.999 x 1F1B); the fastest, if it wins, polished once more; like the
+                     re-laid ones, left out with ``shapes=False``
     gaps filled      last, the 3 fastest with their unit-slot bubbles filled by later passes
                      without raising the peak (gap_fill.py, the paper code's last step), the
                      best of those W-deferred, and a winner among them polished once more
@@ -45,8 +45,8 @@ Candidates, all V-shaped (two chunks per rank):
     repeated moves   at V-Min's memory or less and at most 768 passes, the winner improved by
                      local.py's moves made in every microbatch at once (``_REPEATED_PASSES``)
     critical tail    last, the winner's cool-down re-scheduled critical path first
-                     (tails.py), kept where faster: at the H100 costs (2, 2.78, 0.7, hop
-                     0.05) and p = 16 it gains 0.2-1.1% at limits from V-Min's to 12 units
+                     (critical_path_step.py), kept where faster: at the H100 costs (2, 2.78,
+                     0.7, hop 0.05) and p = 16 it gains 0.2-1.1% at limits from V-Min's to 12 units
                      (m = 64, 12 units: 421.80 -> 417.25), up to 1.8% under a model where
                      B frees 0.75 of a chunk, for 12-27 ms
 
@@ -63,7 +63,7 @@ The constructions and the pruning are in constructions.py; the steps from the ti
 with the constants (``_FILLED``, ``_SLOT_SPREAD``, ...) that size them and what they were
 measured to buy, in improvements.py; the candidates the steps share, in pool.py. This module
 runs them in the order above, under a model that frees memory at B refines the default
-model's answer (freed.py), and caches the result.
+model's answer (freeing_at_b.py), and caches the result.
 
 What the search does not reach (tests/test_search.py says why, with numbers): at V-Min's memory
 with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's (at p = 16 and large m
@@ -84,11 +84,11 @@ from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
 from .constructions import InfeasibleMemoryError, constructions, infeasible, wave_orders
-from .freed import freeing_nothing_at_b, refined_under
+from .freeing_at_b import freeing_nothing_at_b, refined_under
 from .gc_pause import collector_paused
-from .improvements import capped, final_budget, improve_winner, relays_and_polishes, replays
+from .improvements import capped, final_budget, improve_winner, reshapes_and_polishes, replays
 from .pool import Pool
-from .tails import with_faster_tail
+from .critical_path_step import with_faster_tail
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
 
@@ -123,7 +123,7 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
 def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
                    shapes: bool = True) -> SearchResult:
     """The search under ``memory``; under a model whose B frees memory, the default model's
-    answer re-timed and refined under ``memory`` (freed.py), the faster of them, and the
+    answer re-timed and refined under ``memory`` (freeing_at_b.py), the faster of them, and the
     search under ``memory`` itself only where nothing fits when B frees nothing. Either way its
     cool-down re-scheduled critical path first where faster (``_with_tail``), last."""
     started = time.perf_counter()
@@ -148,7 +148,7 @@ def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryMod
 def _with_tail(found: SearchResult, costs: Costs, limit: float, memory: MemoryModel,
                shapes: bool) -> SearchResult:
     """``found`` with its cool-down re-scheduled critical path first where that is faster
-    (tails.py); left out with ``shapes=False``, like the other re-laid cool-downs."""
+    (critical_path_step.py); left out with ``shapes=False``, like the other re-laid cool-downs."""
     if not shapes:
         return found
     tailed = with_faster_tail(found.schedule, costs, memory, limit, found.result.makespan,
@@ -160,7 +160,7 @@ def _with_tail(found: SearchResult, costs: Costs, limit: float, memory: MemoryMo
 
 def _refined(result: SearchResult, costs: Costs, limit: float, memory: MemoryModel,
              base: MemoryModel) -> list[SearchResult]:
-    """``result`` refined under ``memory`` (freed.py) within its peak under ``base``."""
+    """``result`` refined under ``memory`` (freeing_at_b.py) within its peak under ``base``."""
     schedule = result.schedule
     chunks = schedule.placement.chunks
     cap = min(limit, max(peak_memory(schedule, base))) * chunks
@@ -187,7 +187,7 @@ def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
     pool = Pool(Placement(p, Layout.V), m, costs, limit, memory, shapes)
     wave_tried, skipped = constructions(pool)
     replays(pool)
-    relays_and_polishes(pool)
+    reshapes_and_polishes(pool)
     if not pool.candidates and not wave_tried:
         # below every block it may still fit
         pool.consider("V-ZB wave, cost-aware", functools.partial(wave_orders, pool))

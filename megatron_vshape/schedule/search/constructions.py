@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..build.blocks import V_HALF, V_MIN, V_ZB
-from ..build.compose import compose, repeated_peak
-from ..build.family import v_block, v_family
-from ..build.named import paper_schedule
-from ..build.periodic import periodic_block, periodic_orders
-from ..build.slot_reorder import slot_reorder
-from ..build.wave import wave_schedule
+from ..construct.blocks import V_HALF, V_MIN, V_ZB
+from ..construct.compose import compose, repeated_peak
+from ..construct.family import v_block, v_family
+from ..construct.named import paper_schedule
+from ..construct.periodic import periodic_block, periodic_orders
+from ..construct.slot_reorder import slot_reorder
+from ..construct.wave import wave_schedule
 from ..model.actions import PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.placement import Layout, Placement

@@ -10,16 +10,16 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from ..build.blocks import V_MIN
-from ..build.gap_fill import fill_gaps
-from ..build.shapes import reshape_cool_down, reshape_warm_up
-from ..build.timed import replay_in_time
-from ..build.wfill import defer_weight_passes
+from ..construct.blocks import V_MIN
+from ..rewrite.gap_fill import fill_gaps
+from ..rewrite.reshape_ends import reshape_cool_down, reshape_warm_up
+from ..rewrite.replay import replay_in_time
+from ..rewrite.weight_deferral import defer_weight_passes
 from ..model.placement import Placement
 from .local import Improved, improve, improve_repeated
 from .pool import Candidate, Pool, candidate_key, fastest_distinct, fresh
 
-__all__ = ["replays", "relays_and_polishes", "improve_winner", "final_budget", "capped"]
+__all__ = ["replays", "reshapes_and_polishes", "improve_winner", "final_budget", "capped"]
 
 _REPLAYS = 4
 _REPLAYS_LARGE = 3
@@ -30,8 +30,8 @@ _REPLAY_WINDOWS = (4,)
 _REPLAY_SLACK = (0, 1)
 _POLISHED = 3
 _FILLED = 5
-"""The fastest candidates (distinct orders) whose W passes are deferred (wfill.py), after the
-last polish, so that the search up to there is unchanged and the deferred orders can only add
+"""The fastest candidates (distinct orders) whose W passes are deferred (weight_deferral.py), after
+the last polish, so that the search up to there is unchanged and the deferred orders can only add
 wins (0.003-0.12 s each at p = 4-16, m = 4p-8p; with 3, a relaid family block that the
 deferral makes fastest fell out of them once the polishes improved the others: v-half at
 p = 16, m = 64, H100 costs, 0.990 -> 0.992 x 1F1B). Deferred before the polish instead, they took
@@ -104,7 +104,7 @@ def _large(pool: Pool) -> bool:
 
 
 def replays(pool: Pool) -> None:
-    """The replay bases (``_replay_bases``) replayed in real time under the limit (timed.py).
+    """The replay bases (``_replay_bases``) replayed in real time under the limit (replay.py).
 
     A base whose orders an earlier base has too (the V-Min block and the family block of
     offsets 1 at p = 16) is not replayed again: its replay would be a copy of that one's,
@@ -123,14 +123,15 @@ def replays(pool: Pool) -> None:
                                                 window, abandon_above=pool.cap))
 
 
-def relays_and_polishes(pool: Pool) -> None:
+def reshapes_and_polishes(pool: Pool) -> None:
     """The fastest candidates and the finished constructions re-laid, then the fastest of all
     polished by the local search (adaptive.py's module doc)."""
     large = _large(pool)  # a re-lay times the order twice
     finished = [] if large else [c for c in pool.candidates if not c.replayable]
     bases = fastest_distinct(pool.candidates, _RELAID_LARGE if large else _RELAID)
-    for base in fresh(bases + fastest_distinct(finished, len(finished)), pool.relaid, pool.shapes):
-        _relay(pool, base, int(base.peak * pool.placement.chunks + _EPS))
+    starts = bases + fastest_distinct(finished, len(finished))
+    for base in fresh(starts, pool.reshaped, pool.shapes):
+        _reshape_ends(pool, base, int(base.peak * pool.placement.chunks + _EPS))
     for base in fastest_distinct(pool.candidates, _POLISHED):
         pool.consider(f"{base.description}, polished",
                       functools.partial(_polish, pool, base.orders, _POLISH_BUDGET))
@@ -141,8 +142,8 @@ def improve_winner(pool: Pool) -> None:
     and the gap-filled candidates, each polished once more when one of them wins; last, at
     V-Min's memory on small schedules, the moves repeated per microbatch."""
     winner = pool.fastest()
-    for base in fresh([winner], pool.relaid, pool.shapes and "re-laid" not in winner.description):
-        _relay(pool, base, pool.full, cool_down_alone=True)  # a replay won
+    for base in fresh([winner], pool.reshaped, pool.shapes and "re-laid" not in winner.description):
+        _reshape_ends(pool, base, pool.full, cool_down_alone=True)  # a replay won
         winner = pool.fastest()
     _polish_further(pool, winner)
     _then_polished(pool, functools.partial(_defer_fastest, pool, _FILLED if pool.shapes else 0))
@@ -165,7 +166,7 @@ def _repeat_moves(pool: Pool, base: Candidate) -> None:
 
 
 def _deferred(pool: Pool, base: Candidate) -> None:
-    """``base`` with its W passes deferred within its own peak (wfill.py) as a candidate."""
+    """``base`` with its W passes deferred within its own peak (weight_deferral.py), a candidate."""
     pool.consider(f"{base.description}, W deferred",
                   functools.partial(defer_weight_passes, base.orders, pool.placement, pool.costs,
                                     base.peak * pool.placement.chunks, pool.memory),
@@ -206,7 +207,7 @@ def _then_polished(pool: Pool, step: Callable[[], None]) -> None:
     before = len(pool.candidates)
     step()
     winner = pool.fastest()
-    if winner.rank >= before:
+    if winner.position >= before:
         _polish_further(pool, winner)
 
 
@@ -259,8 +260,8 @@ def _polish_further(pool: Pool, base: Candidate) -> None:
                   functools.partial(_polish, pool, base.orders, budget))
 
 
-def _relay(pool: Pool, base: Candidate, own: int, cool_down_alone: bool = False) -> None:
-    """Candidates from ``base`` re-laid (shapes.py): its warm-up at the limit's peak
+def _reshape_ends(pool: Pool, base: Candidate, own: int, cool_down_alone: bool = False) -> None:
+    """Candidates from ``base`` re-laid (reshape_ends.py): its warm-up at the limit's peak
     (``pool.full``) and at its ``own`` (chunk-activations), warm-up and cool-down at the
     limit's, and, for the winner of the replays, the cool-down alone."""
     full, placement = pool.full, pool.placement
@@ -269,13 +270,13 @@ def _relay(pool: Pool, base: Candidate, own: int, cool_down_alone: bool = False)
                       functools.partial(reshape_warm_up, placement, base.orders, peak),
                       replayable=False)
     pool.consider(f"{base.description}, warm-up and cool-down re-laid (peak {full})",
-                  functools.partial(_relay_both, placement, base.orders, full), replayable=False)
+                  functools.partial(_reshape_both, placement, base.orders, full), replayable=False)
     if cool_down_alone:
         pool.consider(f"{base.description}, cool-down re-laid (peak {full})",
                       functools.partial(reshape_cool_down, placement, base.orders, full),
                       replayable=False)
 
 
-def _relay_both(placement: Placement, orders, peak: int) -> tuple:
+def _reshape_both(placement: Placement, orders, peak: int) -> tuple:
     """The warm-up re-laid, then the cool-down (the order of the paper code's steps)."""
     return reshape_cool_down(placement, reshape_warm_up(placement, orders, peak), peak)

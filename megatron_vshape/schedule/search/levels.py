@@ -7,13 +7,13 @@ activation memory, not for one particular order. So each name stands for a limit
     v-half   (p + 2) // 2 units      V layout     (its candidates include the paper's order,
     v-zb     p units                 V layout      so a name is never slower than the paper's)
     zb-1p    p units                 one chunk    the paper's order, cost-aware greedy orders
-                                                  (build/greedy.py), each polished by the local
+                                                  (construct/greedy.py), each polished by the local
                                                   search; the fastest kept
 
-The search re-schedules its answer's cool-down critical path first (search/tails.py), kept
-where that is faster (at p = 16 it is: v-min at m = 64 and the H100 costs 615.36 -> 612.75);
-where the paper's order, or under a model that frees at B the default model's answer, is
-faster than the search's, that one gets the same step here.
+The search re-schedules its answer's cool-down critical path first (search/critical_path_step.py),
+kept where that is faster (at p = 16 it is: v-min at m = 64 and the H100 costs 615.36 -> 612.75);
+where the paper's order, or under a model that frees at B the default model's answer, is faster than
+the search's, that one gets the same step here.
 
 Levels are in units of one microbatch's activations of a rank's layer share, under the
 default memory model; under another model (B freeing part of a chunk) the same number of units
@@ -25,19 +25,19 @@ from __future__ import annotations
 
 import functools
 
-from ..build.compose import compose, repeat
-from ..build.greedy import Policy, greedy_schedule
-from ..build.named import FAMILIES, paper_schedule
-from ..build.slot_reorder import slot_reorder
+from ..construct.compose import compose, repeat
+from ..construct.greedy import Policy, greedy_schedule
+from ..construct.named import FAMILIES, paper_schedule
+from ..construct.slot_reorder import slot_reorder
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of, peak_memory
 from .adaptive import _search_cached, search
-from .freed import freeing_nothing_at_b
+from .freeing_at_b import freeing_nothing_at_b
 from .gc_pause import collector_paused
 from .local import improve
-from .tails import with_faster_tail
+from .critical_path_step import with_faster_tail
 
 __all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level", "clear_caches"]
 
@@ -46,7 +46,7 @@ LEVEL_NAMES = ("zb-1p", "v-min", "v-half", "v-zb")
 
 _ZB_POLICIES = (Policy(), Policy(ranked_warm_up=True, alternate=True))
 """The greedy's policies for one chunk: between them the fastest of all 64 policies of
-build/greedy.py on every point of the reference comparison grid (p 4-16, m 8-64, two cost
+construct/greedy.py on every point of the reference comparison grid (p 4-16, m 8-64, two cost
 ratios, three hop times)."""
 _ZB_POLISH_BUDGET = 100_000
 _EPS = 1e-9

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from ..build.timed import Replay
+from ..rewrite.replay import Replay
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.placement import Placement
@@ -36,7 +36,8 @@ class Candidate:
     orders: tuple
     peak: float
     makespan: float
-    rank: int  # position in the candidate list, for deterministic ties
+    position: int
+    """Where it stands in the pool's list (the order it was built in): the last tie-breaker."""
     replayable: bool = True
     """Whether the replays may start from it (adaptive.py's module doc: not the finished
     constructions)."""
@@ -56,8 +57,8 @@ class Pool:
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
     smallest: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     """(peak, description) of every order built, within the limit or not."""
-    relaid: set = dataclasses.field(default_factory=set)
-    """The orders already re-laid (``fresh``)."""
+    reshaped: set = dataclasses.field(default_factory=set)
+    """The orders whose warm-up and cool-down were already re-laid (``fresh``)."""
     peaks: dict = dataclasses.field(default_factory=dict)
     makespans: dict = dataclasses.field(default_factory=dict)
     """Per distinct orders, their peak and makespan (None: they deadlock): different builds
@@ -123,7 +124,7 @@ class Pool:
 def candidate_key(candidate: Candidate) -> tuple:
     """Rank of a candidate: makespan (rounded, as local.py rounds it), then peak, then the
     order it was built in."""
-    return (round(candidate.makespan, 9), candidate.peak, candidate.rank)
+    return (round(candidate.makespan, 9), candidate.peak, candidate.position)
 
 
 def fastest_distinct(pool: list[Candidate], count: int) -> list[Candidate]:
@@ -137,13 +138,13 @@ def fastest_distinct(pool: list[Candidate], count: int) -> list[Candidate]:
     return bases
 
 
-def fresh(bases: list[Candidate], relaid: set, shapes: bool) -> list[Candidate]:
+def fresh(bases: list[Candidate], reshaped: set, shapes: bool) -> list[Candidate]:
     """The bases whose orders were not re-laid yet (none when ``shapes`` is off); marks them."""
     if not shapes:
         return []
     out = []
     for base in bases:
-        if base.orders not in relaid:
-            relaid.add(base.orders)
+        if base.orders not in reshaped:
+            reshaped.add(base.orders)
             out.append(base)
     return out

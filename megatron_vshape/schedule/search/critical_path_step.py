@@ -1,7 +1,7 @@
-"""The cool-down re-scheduled critical path first (build/critical_tail.py) as a last step of the
-search and of the named levels: the fastest of the lines tried, kept only where it beats the
-order it starts from (where the tail's W passes and forwards compete for memory the rule
-loses: v-zb, small p).
+"""The cool-down re-scheduled critical path first (rewrite/critical_path_cooldown.py) as a last step
+of the search and of the named levels: the fastest of the lines tried, kept only where it beats the
+order it starts from (where the tail's W passes and forwards compete for memory the rule loses:
+v-zb, small p).
 
 Which lines: at 1F1B's memory (p units, v-zb's) only ``own``. The ``first`` and ``middle``
 lines never beat such an order over 108 named builds (p 4-16, m 4p-8p, three cost ratios,
@@ -11,7 +11,7 @@ all three: each wins somewhere.
 """
 from __future__ import annotations
 
-from ..build.critical_tail import LINES, critical_tails
+from ..rewrite.critical_path_cooldown import LINES, critical_tails
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule

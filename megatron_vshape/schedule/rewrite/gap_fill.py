@@ -2,9 +2,9 @@
 code's adaptive search (sail-sg/zero-bubble-pipeline-parallelism, ``v_auto_schedule.py``,
 ``reorder_greedily_without_increasing_peak_mem``: facts read there, nothing copied).
 
-The order is squeezed into unit slots (every pass one slot, hops free: :func:`.shapes.unit_
-slots`). Going through the slots column by column, rank by rank, an empty slot takes the first
-later pass of its rank, tried per (kind, stage) in the order they come, that
+The order is squeezed into unit slots (every pass one slot, hops free:
+:func:`.reshape_ends.unit_slots`). Going through the slots column by column, rank by rank, an empty
+slot takes the first later pass of its rank, tried per (kind, stage) in the order they come, that
 
     has its dependencies in earlier columns, and
     keeps the rank within the peak: a forward raises the rank's level from the empty slot
@@ -14,7 +14,7 @@ the pass moves into the slot and the scan goes on from there. Only the first lat
 (kind, stage) is tried, so every stage keeps its microbatch order and the result lowers like its
 input; the peak never rises (B and W passes moved earlier only lower the levels between).
 
-Why: after the warm-up is re-laid (shapes.py), a rank waits in the transition for its first
+Why: after the warm-up is re-laid (reshape_ends.py), a rank waits in the transition for its first
 chunk-0 gradient; the paper code runs the next chunk-0 F there (rank 0, p = 16: ``B1.5 W1.5
 F0.11 B0.0``, where the re-laid order has ``B1.5 B0.0 W1.5 W0.0 F0.11``). At costs 2,2,2 with
 hops that step was what put the reference's search ahead of ours at V-Min's limit (p = 16,
@@ -27,7 +27,7 @@ from ..model.costs import MemoryModel
 from ..model.indexed import PassIndex
 from ..model.placement import Placement
 from ..model.simulate import level_peak
-from .shapes import unit_slots
+from .reshape_ends import unit_slots
 
 __all__ = ["fill_gaps"]
 

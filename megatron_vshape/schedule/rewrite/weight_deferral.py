@@ -56,7 +56,7 @@ class _Rank:
         self.out: list[int] = []
 
 
-class _Shape:
+class _DeferralFacts:
     """The per-id facts the deferral reads (indexed.py), the hop time and the cap."""
 
     def __init__(self, index: PassIndex, costs: Costs, memory: MemoryModel, cap: float):
@@ -81,8 +81,8 @@ def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
     if any(a.kind is PassKind.BW for order in orders for a in order):
         raise ScheduleError("fused BW passes have no W to defer")
     index = PassIndex.for_orders(placement, orders)
-    shape = _Shape(index, costs, memory, cap)
-    ranks = [_Rank(order, index.kind, shape.weight_time[r])
+    facts = _DeferralFacts(index, costs, memory, cap)
+    ranks = [_Rank(order, index.kind, facts.weight_time[r])
              for r, order in enumerate(index.encode(orders))]
     wakes = index.wakes(costs.comm, frozenset({F, B}))
     finished = [-1.0] * len(index.actions)  # end by id, -1.0: not yet
@@ -92,11 +92,11 @@ def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
         state = ranks[rank]
         if state.free_at > now + _TOLERANCE or not (state.rest or state.pending):
             continue
-        action = _choose(state, shape, ranks, finished, now)
+        action = _choose(state, facts, ranks, finished, now)
         if action is None:
             continue  # waits for its dependency: that pass's end wakes it
-        state.free_at = finished[action] = now + shape.duration[action]
-        state.memory += shape.step[action]
+        state.free_at = finished[action] = now + facts.duration[action]
+        state.memory += facts.step[action]
         state.out.append(action)
         heapq.heappush(wake, (state.free_at, rank))
         for woken, hop in wakes[action]:
@@ -108,41 +108,41 @@ def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
     return index.decode([r.out for r in ranks])
 
 
-def _choose(state: _Rank, shape: _Shape, ranks: list[_Rank], finished: list,
+def _choose(state: _Rank, facts: _DeferralFacts, ranks: list[_Rank], finished: list,
             now: float) -> int | None:
     """The pass ``state`` starts at ``now``, or None to wait (module doc's rules)."""
     if not state.rest:
         return state.pending.popleft()
     head = state.rest[0]
-    kind = shape.index.kind[head]
-    if kind is F and state.memory + shape.forward > shape.cap:
+    kind = facts.index.kind[head]
+    if kind is F and state.memory + facts.forward > facts.cap:
         if not state.pending:
-            raise ScheduleError(f"{shape.index.actions[head]} does not fit within "
-                                f"{shape.limit:g} chunk-activations and no W is left to free "
+            raise ScheduleError(f"{facts.index.actions[head]} does not fit within "
+                                f"{facts.limit:g} chunk-activations and no W is left to free "
                                 "room")
         return state.pending.popleft()
-    ready = _ready_at(head, shape, ranks, finished, now)
+    ready = _ready_at(head, facts, ranks, finished, now)
     if ready <= now + _TOLERANCE:
         state.rest.popleft()
         if kind is B:
-            state.pending.append(head + shape.weight_of)
+            state.pending.append(head + facts.weight_of)
         return head
     if state.pending and now + state.weight_time <= ready + _TOLERANCE:
         return state.pending.popleft()
     return None
 
 
-def _ready_at(action: int, shape: _Shape, ranks: list[_Rank], finished: list,
+def _ready_at(action: int, facts: _DeferralFacts, ranks: list[_Rank], finished: list,
               now: float) -> float:
     """When ``action`` can start at the earliest: its dependency's end plus a hop across
     ranks; while the dependency has not started, no sooner than it could end if it started
     now on its own rank."""
-    index = shape.index
+    index = facts.index
     dep = index.dep[action]
     if dep < 0:
         return now
-    hop = shape.comm if index.remote[action] else 0.0
+    hop = facts.comm if index.remote[action] else 0.0
     end = finished[dep]
     if end < 0.0:
-        end = max(now, ranks[index.rank[dep]].free_at) + shape.duration[dep]
+        end = max(now, ranks[index.rank[dep]].free_at) + facts.duration[dep]
     return end + hop

@@ -5,7 +5,7 @@ keeps for W) every order within a limit under the default model (B frees nothing
 it too, so the default model's fastest order is a candidate, and the search is never slower
 for a model that frees more (:func:`freeing_nothing_at_b`). What the freed memory buys on top:
 
-    deferred   the candidate's W passes moved to where its rank would wait (wfill.py), now
+    deferred   the candidate's W passes moved to where its rank would wait (weight_deferral.py), now
                that a waiting W keeps only what B left (a quarter of a chunk, not all of it)
     polished   then the local search under the model, whose moves see the lower levels
 
@@ -24,7 +24,7 @@ named V schedules with m <= 64 over the issue's 0.5 s, where without it 5 are.
 """
 from __future__ import annotations
 
-from ..build.wfill import defer_weight_passes
+from ..rewrite.weight_deferral import defer_weight_passes
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule

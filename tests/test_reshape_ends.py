@@ -1,5 +1,6 @@
 """Issue 15: warm-ups and cool-downs re-laid in the reference generator's shapes
-(build/shapes.py), and the points of the reference's adaptive search they let ``auto`` reach."""
+(rewrite/reshape_ends.py), and the points of the reference's adaptive search they let ``auto``
+reach."""
 from collections import Counter
 
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import (Costs, Layout, PassKind, Placement,
                                       ScheduleError, build_schedule, simulate, validate)
-from megatron_vshape.schedule.build.shapes import reshape_cool_down, reshape_warm_up
+from megatron_vshape.schedule.rewrite.reshape_ends import reshape_cool_down, reshape_warm_up
 from megatron_vshape.schedule.model.simulate import DeadlockError
 from megatron_vshape.schedule.search.adaptive import search
 

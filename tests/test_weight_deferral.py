@@ -1,4 +1,4 @@
-"""Issue 15: weight passes deferred to where their rank would wait (build/wfill.py)."""
+"""Issue 15: weight passes deferred to where their rank would wait (rewrite/weight_deferral.py)."""
 from collections import Counter
 
 import pytest
@@ -6,11 +6,10 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import (Costs, MemoryModel, PassKind, ScheduleError,
                                       build_schedule, parse_costs, simulate, validate)
-from megatron_vshape.schedule.build.wfill import defer_weight_passes
+from megatron_vshape.schedule.rewrite.weight_deferral import defer_weight_passes
+from conftest import B_FREES, H100
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
-_H100 = "2,2.78,0.7,0.05"
-_B_FREES = MemoryModel(1, -0.75, -0.25)
 
 
 def _deferred(schedule, costs, memory):
@@ -53,12 +52,12 @@ def test_deferred_w_fills_v_halfs_cool_down_at_h100_costs(p, m, before, after):
     """The V-Half paper order at H100 costs with B freeing 3/4 of a chunk: W right after B
     leaves the ranks waiting for the last gradients; deferred, the backlog fills those waits
     (measured: m = 32 1.0314 -> 0.9971, m = 64 1.0531 -> 1.0119 x 1F1B)."""
-    costs = parse_costs(_H100, p)
-    one = simulate(build_schedule("1f1b", p, m), costs, _B_FREES).makespan
+    costs = parse_costs(H100, p)
+    one = simulate(build_schedule("1f1b", p, m), costs, B_FREES).makespan
     paper = build_schedule("v-half", p, m, variant="paper")
-    deferred = _deferred(paper, costs, _B_FREES)
-    assert simulate(paper, costs, _B_FREES).makespan / one > before
-    assert simulate(deferred, costs, _B_FREES).makespan / one < after
+    deferred = _deferred(paper, costs, B_FREES)
+    assert simulate(paper, costs, B_FREES).makespan / one > before
+    assert simulate(deferred, costs, B_FREES).makespan / one < after
 
 
 def test_fused_passes_and_a_limit_too_small_are_refused():

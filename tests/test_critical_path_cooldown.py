@@ -1,4 +1,4 @@
-"""Issue 15: the cool-down re-scheduled critical path first (build/critical_tail.py)."""
+"""Issue 15: the cool-down re-scheduled critical path first (rewrite/critical_path_cooldown.py)."""
 import functools
 from collections import Counter
 
@@ -7,14 +7,15 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import (Action, Costs, MemoryModel, PassKind, ScheduleError,
                                       build_schedule, parse_costs, simulate, validate)
-from megatron_vshape.schedule.build.critical_tail import LINES, bottom_levels, critical_tail
+from megatron_vshape.schedule.rewrite.critical_path_cooldown import (LINES, bottom_levels,
+                                                                      critical_tail)
 from megatron_vshape.schedule.model.deps import dependencies
 from megatron_vshape.schedule.model.indexed import PassIndex
 from megatron_vshape.schedule.model.simulate import action_durations, pass_durations
 from megatron_vshape.schedule.search.adaptive import _search_one
+from conftest import H100
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
-_H100 = "2,2.78,0.7,0.05"
 
 
 def _cut(schedule, timing, line):
@@ -128,7 +129,7 @@ def test_critical_tail_shortens_v_mins_cool_down_at_p16_h100_costs():
     backward before the up-leg passes that head the last walk (measured: 615.36 -> 612.75,
     what CP-SAT finds best for the last 60 time units after the same start)."""
     p, m = 16, 64
-    costs = parse_costs(_H100, p)
+    costs = parse_costs(H100, p)
     found = _search_one(p, m, costs, 6.0, MemoryModel(), shapes=True).schedule
     before = simulate(found, costs).makespan
     after = simulate(found.with_actions(critical_tail(

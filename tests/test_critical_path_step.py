@@ -1,28 +1,29 @@
-"""The critical tail as the search's last step (search/tails.py): kept only where faster, the
-lines by memory, left out with ``shapes=False``, named in the description."""
+"""The critical tail as the search's last step (search/critical_path_step.py): kept only where
+faster, the lines by memory, left out with ``shapes=False``, named in the description."""
 import pytest
 
 from megatron_vshape.schedule import MemoryModel, parse_costs, search, simulate, validate
-from megatron_vshape.schedule.build.critical_tail import LINES, critical_tail, critical_tails
+from megatron_vshape.schedule.rewrite.critical_path_cooldown import (LINES, critical_tail,
+                                                                      critical_tails)
 from megatron_vshape.schedule.model.actions import ScheduleError
-from megatron_vshape.schedule.search import tails
+from megatron_vshape.schedule.search import critical_path_step
 from megatron_vshape.schedule.search.adaptive import _search_one
 from megatron_vshape.schedule.search.levels import clear_caches
-from megatron_vshape.schedule.search.tails import STEP, faster_tail, step_description, tail_lines
+from megatron_vshape.schedule.search.critical_path_step import (STEP, faster_tail, step_description,
+                                                                tail_lines)
+from conftest import B_FREES, H100
 
-_H100 = "2,2.78,0.7,0.05"
-_FREED = MemoryModel(1, -0.75, -0.25)
 
 
-@pytest.mark.parametrize("limit, memory", [(6.0, MemoryModel()), (9.0, _FREED)])
+@pytest.mark.parametrize("limit, memory", [(6.0, MemoryModel()), (9.0, B_FREES)])
 def test_search_ends_with_the_faster_tail_at_p16(limit, memory, monkeypatch):
     """At p = 16, m = 32 and the H100 costs the step gains 0.7-1.1% (measured: V-Min's 6
     units 339.33 -> 336.97; 9 units under ``1,-0.75,-0.25`` 251.88 -> 249.18); the answer
     still validates within the limit."""
     p, m = 16, 32
-    costs = parse_costs(_H100, p)
+    costs = parse_costs(H100, p)
     with monkeypatch.context() as patched:
-        patched.setattr(tails, "faster_tail", lambda *args: None)
+        patched.setattr(critical_path_step, "faster_tail", lambda *args: None)
         clear_caches()
         plain = search(p, m, costs, limit, memory)
     clear_caches()
@@ -35,7 +36,7 @@ def test_search_ends_with_the_faster_tail_at_p16(limit, memory, monkeypatch):
 
 def test_search_leaves_the_tail_out_without_shapes():
     p, m = 16, 32
-    found = search(p, m, parse_costs(_H100, p), 6.0, shapes=False)
+    found = search(p, m, parse_costs(H100, p), 6.0, shapes=False)
     assert STEP not in found.schedule.description
 
 
@@ -44,7 +45,7 @@ def test_a_slower_tail_is_not_kept():
     cool-down and the rule loses (measured 50.43 -> 51.67): nothing is returned, and the
     search keeps its order."""
     p, m = 4, 8
-    costs = parse_costs(_H100, p)
+    costs = parse_costs(H100, p)
     plain = _search_one(p, m, costs, 4.0, MemoryModel(), shapes=True)
     assert faster_tail(plain.schedule, costs, MemoryModel(), 4.0, plain.result.makespan) is None
     assert search(p, m, costs, 4.0).schedule.rank_actions == plain.schedule.rank_actions

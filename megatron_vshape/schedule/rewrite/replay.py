@@ -55,7 +55,7 @@ class _Rank:
 
 
 @dataclass(frozen=True)
-class _Shape:
+class _ReplayFacts:
     """What the replay reads per pass id (model/indexed.py) and its rules' settings."""
 
     index: PassIndex
@@ -90,9 +90,9 @@ def replay_in_time(
     are, each taking 11 ms in full).
     """
     index = PassIndex.for_orders(placement, orders)
-    shape = _Shape(index, index.durations(pass_durations(placement, costs)),
-                   index.delays(costs.comm), index.steps(memory), cap, memory.forward, window,
-                   abandon_above + 1e-6)
+    facts = _ReplayFacts(index, index.durations(pass_durations(placement, costs)),
+                         index.delays(costs.comm), index.steps(memory), cap, memory.forward,
+                         window, abandon_above + 1e-6)
     ranks = [_Rank(order, placement.chunks) for order in index.encode(orders)]
     kinds = frozenset(index.kind[a] for order in ranks for a in set(order.rest))
     wakes = index.wakes(costs.comm, kinds)
@@ -112,11 +112,11 @@ def replay_in_time(
                 continue
             if not state.rest:
                 continue
-            action = _pick(state, shape, finished, now)
+            action = _pick(state, facts, finished, now)
             if action is None:
                 continue
-            _run(state, action, shape, now, finished)
-            if state.memory > shape.abandon:
+            _run(state, action, facts, now, finished)
+            if state.memory > facts.abandon:
                 raise ScheduleError(f"replay: rank {rank} holds {state.memory:g} chunk-activations "
                                     f"after {index.actions[action]}, over {abandon_above:g}")
             end = state.free_at
@@ -132,26 +132,26 @@ def replay_in_time(
     return Replay(index.decode([r.out for r in ranks]), makespan)
 
 
-def _run(state: _Rank, action: int, shape: _Shape, now: float, finished: list) -> None:
+def _run(state: _Rank, action: int, facts: _ReplayFacts, now: float, finished: list) -> None:
     """``state`` runs ``action`` from ``now``."""
-    index = shape.index
+    index = facts.index
     if not state.out:
         state.first = now
-    end = state.free_at = now + shape.duration[action]
-    state.memory += shape.step[action]
+    end = state.free_at = now + facts.duration[action]
+    state.memory += facts.step[action]
     state.out.append(action)
     if index.kind[action] is F:
         state.forwards[index.chunk[action]] += 1
     finished[index.key[action]] = end
 
 
-def _pick(state: _Rank, shape: _Shape, finished: list, now: float) -> int | None:
+def _pick(state: _Rank, facts: _ReplayFacts, finished: list, now: float) -> int | None:
     """The first pass within the window of the head that is ready at ``now`` and fits."""
     limit = now + _TOLERANCE
-    rest, index, delay = state.rest, shape.index, shape.delay
+    rest, index, delay = state.rest, facts.index, facts.delay
     dep, kind = index.dep, index.kind
-    for position, action in enumerate(rest[:shape.window]):
-        if kind[action] is F and not _fits(state, index.chunk[action], shape):
+    for position, action in enumerate(rest[:facts.window]):
+        if kind[action] is F and not _fits(state, index.chunk[action], facts):
             continue
         d = dep[action]
         if d >= 0:
@@ -162,10 +162,10 @@ def _pick(state: _Rank, shape: _Shape, finished: list, now: float) -> int | None
     return None
 
 
-def _fits(state: _Rank, chunk: int, shape: _Shape) -> bool:
+def _fits(state: _Rank, chunk: int, facts: _ReplayFacts) -> bool:
     """Whether a forward keeps the rank within the cap. With lookahead, a chunk-0 forward must
     also leave room for an owed chunk-1 forward; a strict replay (window 1) follows an order
     that already fits, and the rule would only block it."""
-    owed = shape.window > 1 and chunk == 0 and len(state.forwards) == 2 and \
+    owed = facts.window > 1 and chunk == 0 and len(state.forwards) == 2 and \
         state.forwards[0] > state.forwards[1]
-    return state.memory + shape.forward * (1 + owed) <= shape.cap + 1e-9
+    return state.memory + facts.forward * (1 + owed) <= facts.cap + 1e-9

@@ -34,7 +34,7 @@ _DELTA = {F: 1, B: 0, W: -1, BW: -1}
 def last_chunk0_forward(index: PassIndex, rank: int, order: list[int]) -> int:
     """Position of the last chunk-0 forward in ``rank``'s order of pass ids (-1: none): after
     it only up-leg forwards, backwards and W passes are left, the rank's tail (here and in
-    critical_tail.py)."""
+    critical_path_cooldown.py)."""
     first = index.first_id(F, index.placement.stage_of(rank, 0))  # + microbatch: its forwards
     return max((i for i, a in enumerate(order) if first <= a < first + index.microbatches),
                default=-1)

@@ -9,7 +9,8 @@ the costs; the simulator times them with real costs afterwards. A block names th
 variants worth trying (``BuildingBlock.reorders``):
 
     plain      the repeated order, squeezed only
-    cooldown   plain until the rank's last chunk-0 F, then backwards tight, W last (cooldown.py)
+    cooldown   plain until the rank's last chunk-0 F, then backwards tight, W last
+               (cooldown_reorder.py)
     head       slot-level list scheduling in block order (list_scheduler.py)
     backward   the same, a ready B first
     zbv        the hand-written ZB-V order (zbv.py), for the V-ZB block
@@ -27,7 +28,7 @@ from collections import deque
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import MemoryModel
 from .blocks import BuildingBlock
-from .cooldown import cool_down
+from .cooldown_reorder import cool_down
 from .list_scheduler import POLICIES, list_schedule
 from ..model.placement import Placement
 from ..model.schedule import Schedule

@@ -1,28 +1,27 @@
 """Cool-down re-scheduled in time, critical path first (an active schedule).
 
-From each rank's last chunk-0 forward on (cooldown.py's tail) a rank has left its up-leg
-forwards, its backwards and its W passes, and the makespan is the last microbatches' walk
-back to rank 0. An order that runs a ready down-leg backward B(r, k) makes an up-leg pass
-that arrives a moment later wait its whole length; but the up-leg pass heads the longer walk
-(after B(2p-1-r, k) come 2p-1-r backwards, after B(r, k) only r). Neither the blocks' orders,
-nor cooldown.py's first-ready rule, nor the local search (the gain needs every rank to change
-at once) see that. This re-schedules every rank's tail by Giffler and Thompson's rule: take
-the pass, of any rank, that can end first; among the passes of its rank that could start
-before that end, run the one with the longest path to the end of the schedule (its bottom
-level: real durations and hops); a forward only when it fits ``cap``. So a rank waits for a
-critical pass rather than start one that would delay it. Where the tails start is a choice
-(``LINES``): after each rank's own last chunk-0 forward, or at one time on every rank, so that
-the later ranks' last forwards move too; over 108 named builds (p 4-16, m 4p-8p, three cost
-ratios, both memory models) the first is faster than the order it starts from at 20, by up to
-0.6%, and the other two than that at 17 (14 of them new), by up to 0.75%.
+From each rank's last chunk-0 forward on (cooldown_reorder.py's tail) a rank has left its up-leg
+forwards, its backwards and its W passes, and the makespan is the last microbatches' walk back to
+rank 0. An order that runs a ready down-leg backward B(r, k) makes an up-leg pass that arrives a
+moment later wait its whole length; but the up-leg pass heads the longer walk (after B(2p-1-r, k)
+come 2p-1-r backwards, after B(r, k) only r). Neither the blocks' orders, nor cooldown_reorder.py's
+first-ready rule, nor the local search (the gain needs every rank to change at once) see that. This
+re-schedules every rank's tail by Giffler and Thompson's rule: take the pass, of any rank, that can
+end first; among the passes of its rank that could start before that end, run the one with the
+longest path to the end of the schedule (its bottom level: real durations and hops); a forward only
+when it fits ``cap``. So a rank waits for a critical pass rather than start one that would delay it.
+Where the tails start is a choice (``LINES``): after each rank's own last chunk-0 forward, or at one
+time on every rank, so that the later ranks' last forwards move too; over 108 named builds (p 4-16,
+m 4p-8p, three cost ratios, both memory models) the first is faster than the order it starts from at
+20, by up to 0.6%, and the other two than that at 17 (14 of them new), by up to 0.75%.
 
-At the H100 costs (2, 2.78, 0.7, hop 0.05) v-min at p = 16, m = 64 goes from 615.36 to 612.75,
-which CP-SAT proves the fastest cool-down over the last 60 time units after the same warm-up
-and steady state (scripts/bench/cooldown_gap.py), and v-half at p = 16, m = 128 from 805.57 to
-802.09 (801.99 under ``1,-0.75,-0.25``), both from the middle line. Where the tail's W passes
-and forwards compete for memory (v-zb, small p) the rule loses to the order it starts from:
-it is the search's last step (search/tails.py), kept only where faster. One line costs 6-13
-ms at p = 16, m = 64 (v-min, v-zb), where one timing takes 1.5 ms.
+At the H100 costs (2, 2.78, 0.7, hop 0.05) v-min at p = 16, m = 64 goes from 615.36 to 612.75, which
+CP-SAT proves the fastest cool-down over the last 60 time units after the same warm-up and steady
+state (scripts/bench/cooldown_gap.py), and v-half at p = 16, m = 128 from 805.57 to 802.09 (801.99
+under ``1,-0.75,-0.25``), both from the middle line. Where the tail's W passes and forwards compete
+for memory (v-zb, small p) the rule loses to the order it starts from: it is the search's last step
+(search/critical_path_step.py), kept only where faster. One line costs 6-13 ms at p = 16, m = 64
+(v-min, v-zb), where one timing takes 1.5 ms.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from ..model.costs import Costs, MemoryModel
 from ..model.indexed import Dataflow, PassIndex
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
-from .cooldown import last_chunk0_forward
+from ..construct.cooldown_reorder import last_chunk0_forward
 
 __all__ = ["LINES", "critical_tail", "critical_tails", "bottom_levels"]
 
@@ -72,7 +71,7 @@ def bottom_levels(index: PassIndex, durations: list[float], delays: list[float])
     return level
 
 
-class _Shape:
+class _TailFacts:
     """What every line's re-scheduling reads and none changes: the orders as ids, per-id
     durations, hops, memory steps and bottom levels, and the orders' own timing (computed once
     for the three lines)."""
@@ -99,16 +98,16 @@ class _Tail:
     order, so of each (kind, stage) only the first left can be next, and of its W passes those
     whose B has ended: a rank's options are those few, not its whole tail."""
 
-    def __init__(self, shape: _Shape, line: str):
-        self.shape, index, timing = shape, shape.index, shape.timing
+    def __init__(self, facts: _TailFacts, line: str):
+        self.facts, index, timing = facts, facts.index, facts.timing
         self.end = timing.done[:]
         self.out, self.clock, self.memory, self.queues, self.weights = [], [], [], [], []
         self.position, self.rank_of, self.left = {}, {}, []
-        for r, (order, cut) in enumerate(zip(shape.ids, _cuts(index, shape.ids, timing, line))):
+        for r, (order, cut) in enumerate(zip(facts.ids, _cuts(index, facts.ids, timing, line))):
             tail = order[cut:]
             self.out.append(order[:cut])
             self.clock.append(timing.ends[r][cut - 1] if cut else 0.0)
-            self.memory.append(sum(shape.step[a] for a in order[:cut]))
+            self.memory.append(sum(facts.step[a] for a in order[:cut]))
             self.left.append(len(tail))
             queues: dict = {}
             for position, a in enumerate(tail):
@@ -117,9 +116,9 @@ class _Tail:
                 if index.kind[a] is not W:
                     queues.setdefault((index.kind[a], index.actions[a].stage), []).append(a)
             self.queues.append([queue[::-1] for queue in queues.values()])  # next one last
-        for r, order in enumerate(shape.ids):  # W passes whose B ran before the tail
+        for r, order in enumerate(facts.ids):  # W passes whose B ran before the tail
             self.weights.append([a for a in order[len(self.out[r]):]
-                                 if index.kind[a] is W and self.end[a - shape.span] >= 0.0])
+                                 if index.kind[a] is W and self.end[a - facts.span] >= 0.0])
         dep = index.dep
         self.exact = not any(dep[a] >= 0 and self.end[dep[a]] < 0.0
                              for kept in self.out for a in kept)
@@ -131,14 +130,14 @@ class _Tail:
         """(earliest start, position in the tail, id) of what rank r can run next: the first
         F or B left of each of its stages once its dependency has ended (a forward only when
         it fits), and its W passes whose B has ended."""
-        shape = self.shape
-        found, dep, end, delay, clock = [], shape.index.dep, self.end, shape.delay, self.clock[r]
+        facts = self.facts
+        found, dep, end, delay, clock = [], facts.index.dep, self.end, facts.delay, self.clock[r]
         for queue in self.queues[r]:
             if not queue:
                 continue
             a = queue[-1]
             d = dep[a]
-            if d >= 0 and end[d] < 0.0 or self.memory[r] + shape.step[a] > shape.cap:
+            if d >= 0 and end[d] < 0.0 or self.memory[r] + facts.step[a] > facts.cap:
                 continue
             ready = end[d] + delay[a] if d >= 0 else 0.0
             found.append((ready if ready > clock else clock, self.position[a], a))
@@ -153,43 +152,43 @@ class _Tail:
 
     def run(self, r: int, start: float, a: int) -> list[int]:
         """Runs ``a`` on rank r from ``start``; returns the ranks whose options changed."""
-        shape = self.shape
-        if shape.index.kind[a] is W:
+        facts = self.facts
+        if facts.index.kind[a] is W:
             self.weights[r].remove(a)
         else:
             next(q for q in self.queues[r] if q and q[-1] == a).pop()
         self.out[r].append(a)
-        self.clock[r] = self.end[a] = start + shape.duration[a]
-        self.memory[r] += shape.step[a]
+        self.clock[r] = self.end[a] = start + facts.duration[a]
+        self.memory[r] += facts.step[a]
         self.left[r] -= 1
         touched = {r}
-        for waiter in _waiters(shape, a):
+        for waiter in _waiters(facts, a):
             q = self.rank_of.get(waiter)
             if q is not None and self.end[waiter] < 0.0:
                 touched.add(q)
-                if shape.index.kind[waiter] is W:
+                if facts.index.kind[waiter] is W:
                     self.weights[q].append(waiter)
         return sorted(touched)
 
     def schedule(self) -> list[list[int]]:
         """The orders, every tail re-scheduled (module doc); ScheduleError when stuck."""
-        shape = self.shape
-        options = {r: _soonest(shape, self.options(r)) for r in range(len(self.out))
+        facts = self.facts
+        options = {r: _soonest(facts, self.options(r)) for r in range(len(self.out))
                    if self.left[r]}
         while options:
             # the pass that can end first (ties: the lower rank), then its rank's conflict set
             end, r = min((soonest, r) for r, (soonest, _) in options.items())
             if end == _NEVER:
-                stuck = [shape.index.actions[a] for q in options for a in self.next_passes(q)]
+                stuck = [facts.index.actions[a] for q in options for a in self.next_passes(q)]
                 raise ScheduleError(f"critical tail: no rank can run its next pass: {stuck[:4]}")
             conflict = [o for o in options[r][1] if o[0] < end - _EPS]
-            start, _, a = max(conflict, key=lambda o: (shape.level[o[2]], -o[1]))
+            start, _, a = max(conflict, key=lambda o: (facts.level[o[2]], -o[1]))
             for q in self.run(r, start, a):
                 if self.left[q]:
-                    options[q] = _soonest(shape, self.options(q))
+                    options[q] = _soonest(facts, self.options(q))
                 else:
                     options.pop(q, None)
-        if not self.exact and shape.flow.time(self.out).stuck is not None:
+        if not self.exact and facts.flow.time(self.out).stuck is not None:
             raise ScheduleError("critical tail: the re-scheduled orders deadlock (a kept pass "
                                 "waits for one that another rank's tail moved)")
         return self.out
@@ -204,11 +203,11 @@ def critical_tails(orders, placement: Placement, costs: Costs, cap: float,
     pass that waits for another rank's tail in about 6% of searches (3 of 48), and only those
     orders are timed for it."""
     _check(orders, lines)
-    shape = _Shape(orders, placement, costs, memory, cap)
+    facts = _TailFacts(orders, placement, costs, memory, cap)
     out = {}
     for line in lines:
         try:
-            out[line] = shape.index.decode(_Tail(shape, line).schedule())
+            out[line] = facts.index.decode(_Tail(facts, line).schedule())
         except ScheduleError:
             continue
     return out
@@ -225,8 +224,8 @@ def critical_tail(orders, placement: Placement, costs: Costs, cap: float,
     unknown line, and when the tails cannot run (a forward that never fits, or orders that
     deadlock: ``critical_tails``)."""
     _check(orders, (line,))
-    shape = _Shape(orders, placement, costs, memory, cap)
-    return shape.index.decode(_Tail(shape, line).schedule())
+    facts = _TailFacts(orders, placement, costs, memory, cap)
+    return facts.index.decode(_Tail(facts, line).schedule())
 
 
 def _check(orders, lines) -> None:
@@ -238,19 +237,19 @@ def _check(orders, lines) -> None:
         raise ScheduleError("fused BW passes: no bottom levels for them")
 
 
-def _soonest(shape: _Shape, found: list) -> tuple[float, list]:
+def _soonest(facts: _TailFacts, found: list) -> tuple[float, list]:
     """(the earliest end of ``found``'s passes, ``found``): kept per rank, so each step looks
     at one number per rank."""
-    duration = shape.duration
+    duration = facts.duration
     return min((s + duration[a] for s, _, a in found), default=_NEVER), found
 
 
-def _waiters(shape: _Shape, a: int) -> tuple[int, ...]:
+def _waiters(facts: _TailFacts, a: int) -> tuple[int, ...]:
     """The ids whose dependency is ``a`` (deps.py's rule read backwards, by the id layout)."""
-    kind, m, span = shape.index.kind[a], shape.index.microbatches, shape.span
+    kind, m, span = facts.index.kind[a], facts.index.microbatches, facts.span
     stage = (a % span) // m
     if kind is F:  # the next stage's F; the last stage's F heads its own B
-        return (a + m,) if stage + 1 < shape.index.placement.num_stages else (a + span,)
+        return (a + m,) if stage + 1 < facts.index.placement.num_stages else (a + span,)
     if kind is B:  # its W, and the B of the stage before
         return (a + span, a - m) if stage else (a + span,)
     return ()
