@@ -21,8 +21,8 @@ VERSION = re.search(r'^__version__ = "([^"]+)"$',
 # 0.20 is not allowed: every minor release so far changed the internals the glue wraps.
 MEGATRON_CORE = "megatron-core>=0.16,<0.20"
 # What megatron-core imports without declaring it (psutil: dist_checkpointing's async
-# writer), plus the progress bar and timeline plots of `vshape demo` / `vshape collect`.
-MEGATRON = [MEGATRON_CORE, "psutil", "tqdm", "matplotlib"]
+# writer), plus the timeline plots of `vshape demo` / `vshape collect`.
+MEGATRON = [MEGATRON_CORE, "psutil", "matplotlib"]
 # What a Megatron-LM checkout's training code (scripts/pretrain_gpt_vshape.py) imports
 # beyond megatron-core.
 MEGATRON_LM_EXTRAS = ["einops", "regex", "six", "pydantic"]
@@ -52,7 +52,9 @@ setup(
     # The bundled model, grid and profile files (vshape plan --model gpt-9.6b, ...).
     package_data={"megatron_vshape.configs": ["*/*.yaml", "*/README.md"]},
     python_requires=">=3.10",
-    install_requires=["PyYAML"],  # the schedule core itself is standard library only
+    # the schedule core itself is standard library only; tqdm (pure Python, no dependencies)
+    # draws the CLI's progress bars
+    install_requires=["PyYAML", "tqdm"],
     extras_require={
         # torch unpinned: an installed torch satisfies it. On a machine without one, pin it
         # (-c constraints/cpu.txt): an open range pulls several GB of CUDA wheels.
