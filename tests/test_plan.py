@@ -124,7 +124,7 @@ def test_analytic_costs_are_24bsh2_plus_4bs2h_and_backward_twice_forward():
     s, b, h = 3072, 2, GPT_9B.hidden_size
     linear, attention = layer_flops(GPT_9B, s, b)
     assert linear + attention == 24 * b * s * h * h + 4 * b * s * s * h
-    cluster = ClusterConfig(8, 80, mfu=0.5)
+    cluster = ClusterConfig(8, 80, mfu=0.5, cost_model="mfu")
     t = analytic_times(GPT_9B, TrainingConfig(s, 16), cluster, 1, b).layer
     assert t.forward == pytest.approx((linear + attention) / cluster.flops_per_second)
     assert t.backward + t.weight == pytest.approx(2 * t.forward)
@@ -152,7 +152,7 @@ def test_selective_recomputation_drops_the_attention_term_and_full_keeps_layer_i
 
 
 def test_recomputation_adds_the_replayed_forward_to_b():
-    cluster, s, b = ClusterConfig(8, 80, mfu=0.5), 3072, 1
+    cluster, s, b = ClusterConfig(8, 80, mfu=0.5, cost_model="mfu"), 3072, 1
     evaluator = Evaluator(GPT_9B, TrainingConfig(s, 16), cluster)
     none, sel, full = (evaluator.times(1, b, kind).layer for kind in ("none", "selective", "full"))
     linear, attention = layer_flops(GPT_9B, s, b)
@@ -270,8 +270,10 @@ def test_profile_costs_replace_the_flop_model(tmp_path):
     profile = load_profile(path)
     training = TrainingConfig(2048, 32)
     evaluator = Evaluator(SMALL, training, ClusterConfig(8, 80), profile)
-    times = evaluator.times(1, 2)  # scaled from micro batch 1
-    assert times.layer.forward == pytest.approx(0.008) and "scaled" in times.source
+    times = evaluator.times(1, 2)  # scaled from micro batch 1 by the cost model's ratio
+    model = [analytic_times(SMALL, training, ClusterConfig(8, 80), 1, b).layer for b in (1, 2)]
+    assert times.layer.forward == pytest.approx(0.004 * model[1].forward / model[0].forward)
+    assert "scaled" in times.source
     row = evaluator.evaluate(GridPoint(2, 1, 4, 1, 16), "v-half")
     assert row.feasible and "profile.yaml" in row.costs and row.p2p_seconds == 0.0002
     with pytest.raises(ValueError, match="--seq-length"):

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from ..configs import config_names
 from ..plan.candidates import SearchSpace
+from ..plan.explain import format_explanation
 from ..plan.model import load_model_config
 from ..plan.planner import plan
 from ..plan.profile_file import load_profile
 from ..plan.recompute import RECOMPUTE
-from ..plan.settings import PRECISIONS, ClusterConfig, TrainingConfig
+from ..plan.settings import COST_MODELS, PRECISIONS, ClusterConfig, TrainingConfig
 from ..plan.table import format_csv, format_table
 from ..schedule.registry import SCHEDULES
 
@@ -55,6 +56,9 @@ def register(sub) -> None:
     _add_cluster(p)
     p.add_argument("--top", type=int, default=15, metavar="K", help="table rows (default 15)")
     p.add_argument("--csv", metavar="FILE", help="write every configuration to FILE")
+    p.add_argument("--explain", action="store_true",
+                   help="after the table, each pass's predicted time and fraction of peak at "
+                        "the best rows' TP and micro batch, and the best row's kernels")
     p.set_defaults(handler=_plan)
 
 
@@ -81,10 +85,20 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
                    help="measured per-layer F/B/W seconds (YAML/JSON, docs/plan.md) instead of "
                         "the FLOP model: a file's path or a bundled profile's name (%s)"
                         % ", ".join(config_names("profiles")))
+    p.add_argument("--cost-model", choices=COST_MODELS, default=c.cost_model,
+                   help="how pass times are predicted without --profile: shapes (default: "
+                        "each kernel timed from its shape on the GPU, docs/plan.md) or mfu "
+                        "(every pass at --mfu of --gpu-tflops)")
     p.add_argument("--mfu", type=float, default=c.mfu, metavar="X",
-                   help="model FLOP utilisation of the analytic cost model (default %(default)s)")
+                   help="model FLOP utilisation under --cost-model mfu (default %(default)s)")
     p.add_argument("--gpu-tflops", type=float, default=c.gpu_tflops, metavar="TFLOPS",
                    help="peak 16-bit TFLOP/s per GPU (default %(default)s, H100 SXM dense)")
+    p.add_argument("--memory-bandwidth", type=float, default=c.memory_tbps, metavar="TB/S",
+                   help="HBM bandwidth per GPU for the shape model (default %(default)s, "
+                        "H100 SXM; H200 4.8)")
+    p.add_argument("--sms", type=int, default=c.sms, metavar="N",
+                   help="streaming multiprocessors per GPU for the shape model (default "
+                        "%(default)s, H100 SXM)")
     p.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node, metavar="N",
                    help="GPUs per node (default %(default)s); TP stays inside a node")
     p.add_argument("--reserved-memory", type=float, default=c.reserved_gib, metavar="GIB",
@@ -114,6 +128,7 @@ def _configs(args):
     cluster = ClusterConfig(
         gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpus_per_node=args.gpus_per_node,
         reserved_gib=args.reserved_memory, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
+        memory_tbps=args.memory_bandwidth, sms=args.sms, cost_model=args.cost_model,
         intra_node_gbps=args.intra_node_bandwidth, inter_node_gbps=args.inter_node_bandwidth,
         p2p_latency_us=args.p2p_latency, overlap_dp_comm=args.overlap_dp_comm)
     space = SearchSpace(schedules=tuple(args.schedules),
@@ -140,6 +155,9 @@ def _plan(args) -> int:
             print(f"wrote {args.csv} ({len(result.predictions)} configurations)")
         return 1
     print(format_table(result, args.top))
+    if args.explain:
+        print()
+        print(format_explanation(result))
     if args.csv:
         print(f"wrote {args.csv} ({len(result.predictions)} configurations)")
     return 0

@@ -3,14 +3,13 @@
 ``vshape gpu-check`` on a GPU writes ``cuda-<model>-s<S>.yaml`` (per-layer F, B, W of a TP
 shard at TP 1, 2, 4, 8; committed into megatron_vshape/configs/profiles/). Where such a file
 exists for a paper case, ``vshape paper`` plans the case again from it and adds a section to
-docs/paper-reproduction.md: the analytic and the calibrated best 1F1B and best V side by side,
-and how far the analytic FLOP model (one MFU for everything) was from the measured layer time at
+docs/paper-reproduction.md: the predicted and the calibrated best 1F1B and best V side by side,
+and how far the shape cost model (plan/layer_kernels.py) was from the measured layer time at
 each TP. Without profiles the page is unchanged.
 
 The profiles time megatron's local layers without flash attention and without TP communication,
 so at long sequences they are slower than the flash-attention layers the grids plan for, and at
-TP > 1 faster than a real TP rank: the calibrated column says what measured compute changes, not
-yet a shape-aware cost model.
+TP > 1 faster than a real TP rank: the calibrated column says what measured compute changes.
 """
 from __future__ import annotations
 
@@ -64,7 +63,7 @@ def calibrate(case: CasePrediction, folder: Path = PROFILE_DIR, auto_candidates:
         analytic = analytic_times(grid.model, training, cluster, tp, 1)
         measured = profile.times(tp, 1, analytic)
         ratios[tp] = _total(measured.layer) / _total(analytic.layer)
-    measured_case = predict_case(grid, seq, auto_candidates, profile)
+    measured_case = predict_case(grid, seq, auto_candidates, profile, compare_mfu=False)
     return Calibration(case, measured_case, profile, ratios)
 
 
@@ -76,15 +75,15 @@ def render_calibrated(calibrations: list[Calibration]) -> list[str]:
     """The markdown section (empty without calibrations)."""
     if not calibrations:
         return []
-    mfu = calibrations[0].analytic.result.cluster.mfu
     lines = ["", "## Calibrated with measured per-layer costs", "",
              "Where `vshape gpu-check` measured the model's layers on a GPU "
              f"(`megatron_vshape/configs/profiles/cuda-<model>-s<S>.yaml`), the same case planned "
-             "from measured F, B, W (analytic | calibrated). `measured / analytic`: one layer's "
-             f"F + B + W at micro batch 1, per TP; the analytic model assumes MFU {mfu:g}, so "
-             f"the effective MFU is {mfu:g} / that ratio. The profiles time local layers without "
-             "flash attention or TP communication (see megatron_vshape/experiments/calibrate.py).",
-             "", "| model, GPUs | seq | measured on | measured / analytic per TP | best 1F1B "
+             "from measured F, B, W (predicted | calibrated). `measured / predicted`: one layer's "
+             "F + B + W at micro batch 1, per TP, against the shape cost model's prediction; "
+             "settings not measured are scaled from the nearest measured one by the model's "
+             "ratio. The profiles time local layers without flash attention or TP communication "
+             "(see megatron_vshape/experiments/calibrate.py).",
+             "", "| model, GPUs | seq | measured on | measured / predicted per TP | best 1F1B "
              "tok/s | best V tok/s | best V / 1F1B |", "|---|---|---|---|---|---|---|"]
     for c in calibrations:
         lines.append(_row(c))

@@ -1,6 +1,9 @@
-"""Pass times: the analytic FLOP model, communication, and per-rank simulator costs.
+"""Pass times: the shape model or the one-MFU FLOP model, communication, per-rank costs.
 
-Compute (one microbatch of b samples, s tokens, on one TP rank of t)::
+By default (``ClusterConfig.cost_model == "shapes"``) a pass's time is the sum of its kernels'
+times, each from its shape on the GPU (:mod:`.layer_kernels`, :mod:`.kernels`, docs/plan.md).
+The one-MFU model (``"mfu"``) counts FLOPs instead, one microbatch of b samples, s tokens, on
+one TP rank of t::
 
     F_layer = [2sb h (h + kv) + 2sb h^2 + 2sb h f' + 2sb f h + 4 b s^2 h] / t   FLOPs
             = (24 b s h^2 + 4 b s^2 h) / t for f = 4h, no GQA (f' = 2f with SwiGLU)
@@ -16,7 +19,7 @@ the inputs of the column-parallel linears under sequence parallel. Each moves
 
 Recomputation (:mod:`.recompute`) replays forward work inside B, so for the simulator it is
 part of B's pass time: full adds the layer's F to B, selective the attention core's share of F
-(its FLOPs over the layer's forward FLOPs), with measured profiles as with the FLOP model.
+(:func:`replay_share`), with measured profiles as with the models.
 
 Pipeline hop: ``p2p_latency + e s b h / sp`` bytes at the inter-node bandwidth when the
 pipeline spans nodes (megatron orders ranks TP, then DP, then PP, so with more GPUs than a node
@@ -33,11 +36,13 @@ from typing import Sequence
 
 from ..schedule.model.costs import Costs
 from .model import ModelConfig
+from .layer_kernels import part_kernels
 from .settings import ClusterConfig, TrainingConfig
 from .shares import ChunkShare
 
-__all__ = ["PassTimes", "PartTimes", "analytic_times", "with_recompute", "attention_share", "layer_flops", "head_flops",
-           "p2p_seconds", "dp_seconds", "rank_costs", "model_flops_per_sample"]
+__all__ = ["PassTimes", "PartTimes", "analytic_times", "with_recompute", "attention_share",
+           "replay_share", "layer_flops", "head_flops", "p2p_seconds", "dp_seconds", "rank_costs",
+           "model_flops_per_sample"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,24 @@ def _tp_collective(training: TrainingConfig, cluster: ClusterConfig, tp: int,
 
 def analytic_times(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
                    tp: int, micro_batch_size: int) -> PartTimes:
-    """The FLOP model of the module docstring."""
+    """Pass times without a measured profile: the shape model (``cluster.cost_model ==
+    "shapes"``, :mod:`.layer_kernels`) or the one-MFU FLOP model of the module docstring."""
+    if cluster.cost_model == "mfu":
+        return mfu_times(model, training, cluster, tp, micro_batch_size)
+    kernels = part_kernels(model, training, cluster, tp, micro_batch_size)
+    gpu = kernels.gpu
+
+    def passes(part) -> PassTimes:
+        return PassTimes(*(part.seconds(k) for k in ("forward", "backward", "weight")))
+
+    return PartTimes(passes(kernels.layer), passes(kernels.embedding), passes(kernels.head),
+                     f"shapes, {gpu.peak_tflops:g} TFLOP/s, {gpu.memory_tbps:g} TB/s, "
+                     f"{gpu.sms} SMs")
+
+
+def mfu_times(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
+              tp: int, micro_batch_size: int) -> PartTimes:
+    """The one-MFU FLOP model of the module docstring."""
     rate = cluster.flops_per_second
     linear, attention = layer_flops(model, training.seq_length, micro_batch_size)
     hop = _tp_collective(training, cluster, tp, micro_batch_size, model.hidden_size)
@@ -117,9 +139,19 @@ def analytic_times(model: ModelConfig, training: TrainingConfig, cluster: Cluste
 
 def attention_share(model: ModelConfig, seq_length: int) -> float:
     """The attention core's share of a layer's forward FLOPs (what selective recomputation
-    replays)."""
+    replays, under the one-MFU model)."""
     linear, attention = layer_flops(model, seq_length, 1)
     return attention / (linear + attention)
+
+
+def replay_share(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig, tp: int,
+                 micro_batch_size: int) -> float:
+    """The attention core's share of a layer's forward time: what selective recomputation adds
+    to B (its FLOP share under the one-MFU model, its kernels' time under the shape model)."""
+    if cluster.cost_model == "mfu":
+        return attention_share(model, training.seq_length)
+    kernels = part_kernels(model, training, cluster, tp, micro_batch_size)
+    return sum(k.seconds for k in kernels.attention_core) / kernels.layer.seconds("forward")
 
 
 def with_recompute(times: PartTimes, recompute: str, share: float) -> PartTimes:

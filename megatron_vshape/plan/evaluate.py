@@ -22,8 +22,8 @@ from ..schedule import Costs, MemoryModel, ScheduleError, build_schedule, simula
 from ..schedule.model.placement import Layout as StageLayout, Placement
 from ..schedule.search import InfeasibleMemoryError, memory_limit_units, search
 from .candidates import NO_PIPELINE, GridPoint
-from .cost import (PartTimes, analytic_times, attention_share, dp_seconds,
-                   model_flops_per_sample, p2p_seconds, rank_costs, with_recompute)
+from .cost import (PartTimes, analytic_times, dp_seconds, model_flops_per_sample, p2p_seconds,
+                   rank_costs, replay_share, with_recompute)
 from .memory import (ChunkBytes, activation_sizes, chunk_bytes, peak_activation_bytes,
                      static_memory)
 from .model import ModelConfig
@@ -107,14 +107,25 @@ class Evaluator:
         self.model, self.training, self.cluster, self.profile = model, training, cluster, profile
         self._schedules: dict = {}
         self._simulations: dict = {}
+        self._analytic_times: dict = {}
 
     # -- the parts ---------------------------------------------------------------------------
+    def _analytic(self, tp: int, micro_batch_size: int) -> PartTimes:
+        """The cost model's times (cached: the shape model times every kernel)."""
+        key = (tp, micro_batch_size)
+        if key not in self._analytic_times:
+            self._analytic_times[key] = analytic_times(self.model, self.training, self.cluster,
+                                                       tp, micro_batch_size)
+        return self._analytic_times[key]
+
     def times(self, tp: int, micro_batch_size: int, recompute: str = "none") -> PartTimes:
-        analytic = analytic_times(self.model, self.training, self.cluster, tp, micro_batch_size)
+        analytic = self._analytic(tp, micro_batch_size)
         times = analytic if self.profile is None else \
-            self.profile.times(tp, micro_batch_size, analytic)
-        return with_recompute(times, recompute,
-                              attention_share(self.model, self.training.seq_length))
+            self.profile.times(tp, micro_batch_size, analytic, self._analytic)
+        if recompute != "selective":
+            return with_recompute(times, recompute, 0.0)
+        return with_recompute(times, recompute, replay_share(
+            self.model, self.training, self.cluster, tp, micro_batch_size))
 
     def hop(self, point: GridPoint) -> float:
         if self.profile is not None and self.profile.p2p_seconds is not None and point.pp > 1:

@@ -18,9 +18,10 @@ The file is YAML (or JSON, which YAML reads too)::
 
 F, B and W are what the runtime's ``PassProfile`` measures per stage (``stage_costs()``:
 median seconds per pass kind); divide a stage's numbers by its layer count for ``layer``. A
-setting that was not measured is scaled from the nearest one: linearly in micro batch size,
-inversely in TP (same TP preferred), which ignores how efficiency changes with size; the
-plan's ``costs`` column says which measurement was used. Parts left out (head, embedding)
+measured setting always replaces the cost model's times; one that was not measured is scaled
+from the nearest one (same TP preferred) by how the cost model's times change between the two
+settings (:meth:`MeasuredProfile.times`), so the shape model's efficiency changes carry over;
+the plan's ``costs`` column says which measurement was used. Parts left out (head, embedding)
 come from the analytic model.
 
 ``vshape profile`` (:mod:`megatron_vshape.megatron.profiling`) writes these files, with
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..configs import find_config
 from ..schedule.model.costs import MemoryModel
@@ -137,23 +139,48 @@ class MeasuredProfile:
             return None
         return MemoryModel(1.0, self.backward_leftover - 1.0, -self.backward_leftover)
 
-    def times(self, tp: int, micro_batch_size: int, fallback: PartTimes) -> PartTimes:
-        """Times at (tp, micro_batch_size), scaled from the nearest measurement; ``fallback``
-        (analytic) fills the parts the profile lacks."""
+    def times(self, tp: int, micro_batch_size: int, fallback: PartTimes,
+              model: Callable[[int, int], PartTimes] | None = None) -> PartTimes:
+        """Times at (tp, micro_batch_size): the measurement there, else the nearest one scaled;
+        ``fallback`` (the cost model's times at this setting) fills the parts the profile lacks.
+
+        With ``model`` (the cost model's times at any (tp, micro batch)), a measurement is
+        scaled by how the model's times change between the two settings, pass by pass, so
+        shape effects carry over; without it, linearly in micro batch size and inversely in
+        TP."""
         def distance(m: Measurement) -> tuple:
             return (m.tensor_parallel != tp, abs(m.tensor_parallel - tp),
                     abs(m.micro_batch_size - micro_batch_size))
 
         base = min(self.measurements, key=distance)
-        factor = micro_batch_size / base.micro_batch_size * base.tensor_parallel / tp
-        exact = factor == 1 and base.tensor_parallel == tp
         label = f"profile {Path(self.path).name} b={base.micro_batch_size} t={base.tensor_parallel}"
-        return PartTimes(
-            base.layer.scaled(factor),
-            base.embedding.scaled(factor) if base.embedding else fallback.embedding,
-            base.head.scaled(factor) if base.head else fallback.head,
-            label if exact else label + " scaled",
-        )
+        if (base.tensor_parallel, base.micro_batch_size) == (tp, micro_batch_size):
+            return PartTimes(base.layer, base.embedding or fallback.embedding,
+                             base.head or fallback.head, label)
+        if model is None:
+            factor = micro_batch_size / base.micro_batch_size * base.tensor_parallel / tp
+            return PartTimes(base.layer.scaled(factor),
+                             base.embedding.scaled(factor) if base.embedding else fallback.embedding,
+                             base.head.scaled(factor) if base.head else fallback.head,
+                             label + " scaled")
+        there = model(base.tensor_parallel, base.micro_batch_size)
+        return PartTimes(_rescaled(base.layer, there.layer, fallback.layer),
+                         _rescaled(base.embedding, there.embedding, fallback.embedding)
+                         if base.embedding else fallback.embedding,
+                         _rescaled(base.head, there.head, fallback.head)
+                         if base.head else fallback.head,
+                         label + " scaled by the cost model")
+
+
+def _rescaled(measured: PassTimes, model_there: PassTimes, model_here: PassTimes) -> PassTimes:
+    """``measured`` times the model's ratio here / there, per pass (a pass the model gives no
+    time there keeps its measured time)."""
+    def one(kind: str) -> float:
+        there = getattr(model_there, kind)
+        ratio = getattr(model_here, kind) / there if there else 1.0
+        return getattr(measured, kind) * ratio
+
+    return PassTimes(one("forward"), one("backward"), one("weight"))
 
 
 def _passes(data, where: str, need_weight: bool) -> PassTimes:

@@ -15,10 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TrainingConfig", "ClusterConfig", "ParallelLayout", "PRECISIONS", "GIB"]
+from .kernels import GpuSpec
+
+__all__ = ["TrainingConfig", "ClusterConfig", "ParallelLayout", "PRECISIONS", "COST_MODELS",
+           "GIB"]
 
 GIB = float(2**30)
 PRECISIONS = ("bf16", "fp32")
+COST_MODELS = ("shapes", "mfu")
+"""How pass times are predicted: ``shapes`` times each kernel from its shape on the GPU
+(:mod:`.layer_kernels`, :mod:`.kernels`); ``mfu`` divides every pass's FLOPs by one achieved
+rate (``gpu_tflops x mfu``)."""
 
 # Bytes per parameter: (weight, main gradient, optimizer state). Mixed-precision Adam keeps an
 # fp32 master copy and two fp32 moments (12 bytes); pure fp32 Adam's master is the weight itself.
@@ -101,9 +108,16 @@ class ClusterConfig:
     buffers, allocator fragmentation and the transient buffers of a backward pass."""
     gpu_tflops: float = 989.0
     """Peak dense 16-bit TFLOP/s of one GPU (``--gpu-tflops``; H100 SXM bf16: 989)."""
+    memory_tbps: float = 3.35
+    """HBM bandwidth of one GPU, TB/s (``--memory-bandwidth``; H100 SXM: 3.35, H200: 4.8)."""
+    sms: int = 132
+    """Streaming multiprocessors of one GPU (``--sms``; H100 SXM and H200: 132), over which
+    the shape model spreads a kernel's tiles."""
+    cost_model: str = "shapes"
+    """``shapes`` (default) or ``mfu`` (``--cost-model``; :data:`COST_MODELS`)."""
     mfu: float = 0.45
-    """Fraction of ``gpu_tflops`` the transformer's matrix multiplies reach (``--mfu``), for
-    the analytic cost model; a measured profile (``--profile``) replaces it."""
+    """Fraction of ``gpu_tflops`` every pass reaches under ``cost_model="mfu"`` (``--mfu``);
+    a measured profile (``--profile``) replaces either model."""
     intra_node_gbps: float = 360.0
     """Achieved collective bus bandwidth inside a node, GB/s (``--intra-node-bandwidth``;
     NVLink 4 with NCCL reaches about 360 of 450 GB/s per direction)."""
@@ -120,7 +134,12 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _positive("cluster", "--gpus", "gpus", self.gpus, integer=True)
         _positive("cluster", "--gpus-per-node", "gpus_per_node", self.gpus_per_node, integer=True)
+        _positive("cluster", "--sms", "sms", self.sms, integer=True)
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"cluster: cost_model (--cost-model) must be one of "
+                             f"{', '.join(COST_MODELS)}, got {self.cost_model!r}")
         for flag, name in (("--gpu-memory", "gpu_memory_gib"), ("--gpu-tflops", "gpu_tflops"),
+                           ("--memory-bandwidth", "memory_tbps"),
                            ("--intra-node-bandwidth", "intra_node_gbps"),
                            ("--inter-node-bandwidth", "inter_node_gbps")):
             _positive("cluster", flag, name, getattr(self, name))
@@ -145,8 +164,13 @@ class ClusterConfig:
 
     @property
     def flops_per_second(self) -> float:
-        """Achieved FLOP/s of one GPU under the analytic cost model."""
+        """Achieved FLOP/s of one GPU under ``cost_model="mfu"``."""
         return self.gpu_tflops * 1e12 * self.mfu
+
+    @property
+    def gpu(self) -> GpuSpec:
+        """The GPU's limits for the shape model (its achieved fractions at their defaults)."""
+        return GpuSpec(peak_tflops=self.gpu_tflops, memory_tbps=self.memory_tbps, sms=self.sms)
 
 
 @dataclass(frozen=True)

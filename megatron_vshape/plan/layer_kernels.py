@@ -1,0 +1,252 @@
+"""The kernels of one microbatch's F, B and W on one tensor-parallel rank, as megatron runs them.
+
+One transformer layer (megatron-core's GPT layer), the LM head with its loss, and the
+embedding, each pass listed kernel by kernel with its shape, so :mod:`.kernels` can time it:
+
+    F   layernorm -> QKV GEMM -> attention core -> projection GEMM -> bias/dropout/residual
+        -> layernorm -> FC1 GEMM -> activation -> FC2 GEMM -> bias/dropout/residual
+    B   the same backwards: each GEMM's input gradient (dX = dY W), the attention core's
+        backward, the elementwise backwards, the bias gradients
+    W   each GEMM's weight gradient (dW = dY^T X, accumulated into the fp32 main gradient)
+
+Two builds of the elementwise work, matching the memory model's switch
+(:attr:`TrainingConfig.fp32_softmax_copy`): fused layers (Transformer Engine or apex: bias in
+the GEMM epilogue, fused bias-activation and bias-dropout-add, a fused softmax kernel) and
+megatron's local layers without those kernels (separate bias adds, PyTorch's activation and
+dropout, the softmax in fp32 with its casts). With flash attention the attention core is one
+fused kernel; without it, two batched GEMMs around the softmax over the s x s scores.
+
+Tensor-parallel collectives are timed as :mod:`.cost` always did (the activation's bytes over
+the intra-node bandwidth, four per F and B, two in W under sequence parallel), each with one
+kernel's fixed cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .kernels import GpuSpec, Kernel, flash_attention, gemm, streaming
+from .model import ModelConfig
+from .settings import ClusterConfig, TrainingConfig
+
+__all__ = ["PassKernels", "PartKernels", "part_kernels"]
+
+
+@dataclass(frozen=True)
+class PassKernels:
+    """The kernels of F, B and W of one part (a layer, the head or the embedding)."""
+
+    forward: tuple[Kernel, ...]
+    backward: tuple[Kernel, ...]
+    weight: tuple[Kernel, ...]
+
+    def seconds(self, kind: str) -> float:
+        return sum(k.seconds for k in getattr(self, kind))
+
+    def flops(self, kind: str) -> float:
+        return sum(k.flops for k in getattr(self, kind))
+
+
+@dataclass(frozen=True)
+class PartKernels:
+    """One microbatch's kernels on one TP rank: a layer, the LM head and loss, the embedding."""
+
+    layer: PassKernels
+    head: PassKernels
+    embedding: PassKernels
+    attention_core: tuple[Kernel, ...]
+    """The layer's forward kernels that selective recomputation replays inside B."""
+    gpu: GpuSpec
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The sizes one microbatch's kernels are built from."""
+
+    tokens: int          # s b: rows of every GEMM of the layer (the gathered sequence)
+    sp_tokens: int       # rows the elementwise work sees (s b / t under sequence parallel)
+    hidden: int
+    qkv: int             # QKV output features on this rank
+    fc1: int             # FC1 output features on this rank (2 f / t with SwiGLU)
+    ffn: int             # f / t
+    heads: int           # attention heads on this rank x micro batch (batched products)
+    seq: int
+    head_dim: int
+    vocab: int           # LM head output features on this rank
+    e: int               # bytes per activation element
+    fused: bool
+    flash: bool
+    dropout: bool
+    swiglu: bool
+
+
+def _shape(model: ModelConfig, training: TrainingConfig, tp: int, micro_batch: int) -> _Shape:
+    s, h, d = training.seq_length, model.hidden_size, model.head_dim
+    tokens = s * micro_batch
+    sp = training.sequence_parallel and tp > 1
+    return _Shape(tokens, tokens // tp if sp else tokens, h,
+                  (h + 2 * model.query_groups * d) // tp,
+                  (2 if model.swiglu else 1) * model.ffn // tp, model.ffn // tp,
+                  micro_batch * model.num_attention_heads // tp, s, d, model.vocab_size // tp,
+                  training.element_bytes, not training.fp32_softmax_copy,
+                  training.flash_attention, training.dropout, model.swiglu)
+
+
+def _collective(name: str, x: _Shape, tp: int, cluster: ClusterConfig,
+                gpu: GpuSpec) -> Kernel:
+    moved = (tp - 1) / tp * x.e * x.tokens * x.hidden
+    return Kernel(name, 0.0, moved, moved / (cluster.intra_node_gbps * 1e9)
+                  + gpu.kernel_overhead_us * 1e-6, "memory")
+
+
+def _tp(names: tuple[str, ...], x: _Shape, tp: int, cluster: ClusterConfig,
+        gpu: GpuSpec) -> list[Kernel]:
+    return [] if tp == 1 else [_collective(n, x, tp, cluster, gpu) for n in names]
+
+
+def _residual(x: _Shape, gpu: GpuSpec, backward: bool) -> list[Kernel]:
+    """Bias, dropout and residual add after the projection or FC2 (on the s b / t tokens of
+    sequence parallel), or their backward (the residual's gradient sum, dropout's mask)."""
+    act = x.e * x.sp_tokens * x.hidden
+    mask = x.sp_tokens * x.hidden if x.dropout else 0.0
+    if backward:
+        out = [streaming("residual gradient add", 3 * act, gpu)]
+        return out + ([streaming("dropout backward", 2 * act + mask, gpu)] if x.dropout else [])
+    if x.fused:
+        return [streaming("bias-dropout-add (fused)", 3 * act + mask, gpu)]
+    out = [streaming("bias add", 2 * act, gpu)]
+    if x.dropout:
+        out.append(streaming("dropout", 2 * act + mask, gpu))
+    return out + [streaming("residual add", 3 * act, gpu)]
+
+
+def _softmax_bytes(x: _Shape, backward: bool) -> float:
+    """Bytes per attention score the softmax moves. A fused kernel reads and writes each score
+    once (its backward also reads the saved probabilities). Local layers (megatron's
+    FusedScaleMaskSoftmax without its kernel) cast 16-bit scores to fp32, mask in place,
+    softmax, and cast back; in fp32 there are no casts."""
+    if x.fused:
+        return (3 if backward else 2) * x.e
+    mask, softmax = 8, (12 if backward else 8)
+    casts = 0 if x.e == 4 else 2 * (x.e + 4)
+    return casts + mask + softmax
+
+
+def _attention(x: _Shape, gpu: GpuSpec, backward: bool) -> list[Kernel]:
+    """The attention core: one fused kernel, or QK^T, softmax, dropout and PV."""
+    if x.flash:
+        return [flash_attention("flash attention" + (" backward" if backward else ""), x.heads,
+                                x.seq, x.head_dim, gpu, backward, x.e)]
+    s, d, e, batch = x.seq, x.head_dim, x.e, x.heads
+    scores = batch * s * s
+    drop = [streaming("attention dropout" + (" backward" if backward else ""),
+                      (2 * e + 1) * scores, gpu)] if x.dropout else []
+    copy = [] if x.fused else [streaming("context layout copy", 2 * e * s * batch * d, gpu)]
+    softmax = streaming("softmax" + (" backward" if backward else "")
+                        + ("" if x.fused else " (fp32, with casts)"),
+                        _softmax_bytes(x, backward) * scores, gpu)
+    if not backward:
+        return ([gemm("scores QK^T", s, s, d, gpu, e, batch), softmax] + drop
+                + [gemm("context PV", s, d, s, gpu, e, batch)] + copy)
+    return (copy + [gemm("dP = dO V^T", s, s, d, gpu, e, batch),
+                    gemm("dV = P^T dO", s, d, s, gpu, e, batch)] + drop
+            + [softmax, gemm("dQ = dS K", s, d, s, gpu, e, batch),
+               gemm("dK = dS^T Q", s, d, s, gpu, e, batch)])
+
+
+def _activation(x: _Shape, gpu: GpuSpec, backward: bool) -> list[Kernel]:
+    """FC1's bias and GeLU (or SwiGLU), or their backward."""
+    big, out = x.e * x.tokens * x.fc1, x.e * x.tokens * x.ffn
+    name = "swiglu" if x.swiglu else "gelu"
+    if backward:
+        return [streaming(f"{name} backward", 2 * big + out, gpu)]
+    if x.fused:
+        return [streaming(f"bias-{name} (fused)", big + out, gpu)]
+    return [streaming("bias add", 2 * big, gpu), streaming(name, big + out, gpu)]
+
+
+def _layer(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) -> PassKernels:
+    t, e, h = x.tokens, x.e, x.hidden
+    norm = 2 * e * x.sp_tokens * h
+    gather, scatter = ("all-gather", "reduce-scatter") if x.sp_tokens < t else \
+        ("(identity)", "all-reduce")
+    qkv_bias = [] if x.fused else [streaming("qkv bias add", 2 * e * t * x.qkv, gpu)]
+    forward = ([streaming("layernorm", norm, gpu)]
+               + _tp((gather,) if x.sp_tokens < t else (), x, tp, cluster, gpu)
+               + [gemm("QKV GEMM", t, x.qkv, h, gpu, e)] + qkv_bias
+               + _attention(x, gpu, False)
+               + [gemm("projection GEMM", t, h, h // tp, gpu, e)]
+               + _tp((scatter,) * (1 if x.sp_tokens < t else 2), x, tp, cluster, gpu)
+               + _residual(x, gpu, False) + [streaming("layernorm", norm, gpu)]
+               + _tp((gather,) if x.sp_tokens < t else (), x, tp, cluster, gpu)
+               + [gemm("FC1 GEMM", t, x.fc1, h, gpu, e)] + _activation(x, gpu, False)
+               + [gemm("FC2 GEMM", t, h, x.ffn, gpu, e)]
+               + _tp((scatter,) * (1 if x.sp_tokens < t else 2), x, tp, cluster, gpu)
+               + _residual(x, gpu, False))
+    backward = (_residual(x, gpu, True)
+                + _tp((gather,) if x.sp_tokens < t else (), x, tp, cluster, gpu)
+                + [gemm("FC2 input gradient", t, x.ffn, h, gpu, e)]
+                + _activation(x, gpu, True)
+                + [gemm("FC1 input gradient", t, h, x.fc1, gpu, e)]
+                + _tp((scatter,) * (1 if x.sp_tokens < t else 2), x, tp, cluster, gpu)
+                + [streaming("layernorm backward", 1.5 * norm, gpu)]
+                + _residual(x, gpu, True)
+                + _tp((gather,) if x.sp_tokens < t else (), x, tp, cluster, gpu)
+                + [gemm("projection input gradient", t, h // tp, h, gpu, e)]
+                + _attention(x, gpu, True)
+                + [gemm("QKV input gradient", t, h, x.qkv, gpu, e)]
+                + _tp((scatter,) * (1 if x.sp_tokens < t else 2), x, tp, cluster, gpu)
+                + [streaming("layernorm backward", 1.5 * norm, gpu),
+                   # B sums each linear's output gradient into its bias gradient (the runtime's
+                   # B/W split, megatron_vshape/megatron/wgrad.py, keeps biases in B)
+                   streaming("bias gradients", e * t * (x.qkv + x.fc1) + 2 * e * t * h, gpu)])
+    # W: the column-parallel linears' inputs are gathered again under sequence parallel
+    main_grad = 4 + 4 if e == 2 else None  # the fp32 main gradient, read and written
+    weight = (_tp(("all-gather (W input)",) * 2 if x.sp_tokens < t else (), x, tp, cluster, gpu)
+              + [gemm("QKV weight gradient", x.qkv, h, t, gpu, e, output_bytes=main_grad),
+                 gemm("projection weight gradient", h, h // tp, t, gpu, e,
+                      output_bytes=main_grad),
+                 gemm("FC1 weight gradient", x.fc1, h, t, gpu, e, output_bytes=main_grad),
+                 gemm("FC2 weight gradient", h, x.ffn, t, gpu, e, output_bytes=main_grad)])
+    return PassKernels(tuple(forward), tuple(backward), tuple(weight))
+
+
+def _head(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) -> PassKernels:
+    """Final layernorm, the logits GEMM and the vocab-parallel cross entropy in fp32 (a cast,
+    max, exp, sum and the loss: about five fp32 passes over the logits); its weight gradient
+    is computed in B (the LM head's W is not deferred)."""
+    t, e, h = x.tokens, x.e, x.hidden
+    logits = t * x.vocab
+    gather = _tp(("all-gather",) if x.sp_tokens < t else (), x, tp, cluster, gpu)
+    forward = ([streaming("final layernorm", 2 * e * x.sp_tokens * h, gpu)] + gather
+               + [gemm("logits GEMM", t, x.vocab, h, gpu, e),
+                  streaming("cross entropy (fp32)", (e + 4 * 5) * logits, gpu)])
+    backward = ([streaming("cross entropy backward", (4 + 4 + e) * logits, gpu),
+                 gemm("logits input gradient", t, h, x.vocab, gpu, e),
+                 gemm("LM head weight gradient", x.vocab, h, t, gpu, e,
+                      output_bytes=8 if e == 2 else None)]
+                + _tp(("reduce-scatter",) if x.sp_tokens < t else ("all-reduce",) * 2,
+                      x, tp, cluster, gpu)
+                + [streaming("final layernorm backward", 3 * e * x.sp_tokens * h, gpu)])
+    return PassKernels(tuple(forward), tuple(backward), ())
+
+
+def _embedding(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) -> PassKernels:
+    """Word and position lookup (then its TP reduction); backward: the scatter-add into the
+    embedding's fp32 gradient."""
+    rows = x.e * x.tokens * x.hidden
+    forward = ([streaming("embedding lookup", 3 * rows, gpu)]
+               + _tp(("reduce-scatter",) if x.sp_tokens < x.tokens else ("all-reduce",) * 2,
+                     x, tp, cluster, gpu))
+    backward = (_tp(("all-gather",) if x.sp_tokens < x.tokens else (), x, tp, cluster, gpu)
+                + [streaming("embedding gradient scatter-add", rows + 8 * x.tokens * x.hidden,
+                             gpu)])
+    return PassKernels(tuple(forward), tuple(backward), ())
+
+
+def part_kernels(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig, tp: int,
+                 micro_batch_size: int) -> PartKernels:
+    """The kernels of one microbatch's passes on one TP rank of ``tp``."""
+    gpu = cluster.gpu
+    x = _shape(model, training, tp, micro_batch_size)
+    return PartKernels(_layer(x, tp, cluster, gpu), _head(x, tp, cluster, gpu),
+                       _embedding(x, tp, cluster, gpu), tuple(_attention(x, gpu, False)), gpu)
