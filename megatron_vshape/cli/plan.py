@@ -13,6 +13,7 @@ from pathlib import Path
 from ..configs import config_names
 from ..plan.candidates import SearchSpace
 from ..plan.explain import format_explanation
+from ..plan.launch_flags import row_flags, shared_flags
 from ..plan.model import load_model_config
 from ..plan.planner import plan
 from ..plan.profile_file import load_profile
@@ -20,6 +21,7 @@ from ..plan.recompute import RECOMPUTE
 from ..plan.settings import COST_MODELS, PRECISIONS, ClusterConfig, TrainingConfig
 from ..plan.table import format_csv, format_table
 from ..schedule.registry import SCHEDULES
+from .ui import add_progress_argument, subcommand, working
 
 __all__ = ["register"]
 
@@ -28,10 +30,20 @@ _CLUSTER = ClusterConfig(gpus=1, gpu_memory_gib=80.0)  # only for the defaults s
 
 def register(sub) -> None:
     """Add ``plan`` to the ``vshape`` parser."""
-    p = sub.add_parser(
-        "plan", help="rank DP x TP x PP x micro batch x schedule by predicted throughput",
-        description="Predict per-GPU memory and throughput of every configuration that fits "
-                    "and print them fastest first (formulas and defaults: docs/plan.md).")
+    p = subcommand(
+        sub, "plan", help="rank DP x TP x PP x micro batch x schedule by predicted throughput",
+        description="Before spending GPU hours: predict per-GPU memory (activations, weights, "
+                    "gradients, optimizer state) and throughput of every (DP, TP, PP, micro "
+                    "batch, schedule, recomputation) configuration of a model on your GPUs, "
+                    "print the ones that fit, fastest first, and the Megatron-LM flags that "
+                    "launch the best ones. Pass times come from a model of each kernel's shape "
+                    "on the GPU, or from measured pass times (--profile). Pure Python: it runs "
+                    "on a laptop.\n\nFormulas, defaults and how to read the table: docs/plan.md.",
+        examples=["vshape plan --model gpt-9.6b --gpus 16 --gpu-memory 80",
+                  "vshape plan --model gpt-21b --gpus 24 --gpu-memory 80 --seq-length 16384 "
+                  "--explain",
+                  "vshape plan --model my-model.yaml --gpus 64 --gpu-memory 141 "
+                  "--memory-bandwidth 4.8 --schedules 1f1b v-half auto --csv plan.csv"])
     p.add_argument("--model", required=True, metavar="NAME|FILE", help=model_help())
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs in all (DP x TP x PP)")
     p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB",
@@ -56,6 +68,9 @@ def register(sub) -> None:
     _add_cluster(p)
     p.add_argument("--top", type=int, default=15, metavar="K", help="table rows (default 15)")
     p.add_argument("--csv", metavar="FILE", help="write every configuration to FILE")
+    p.add_argument("--flags", type=int, default=3, metavar="K",
+                   help="print the Megatron-LM flags of the K best rows (default 3; 0: none)")
+    add_progress_argument(p)
     p.add_argument("--explain", action="store_true",
                    help="after the table, each pass's predicted time and fraction of peak at "
                         "the best rows' TP and micro batch, and the best row's kernels")
@@ -139,13 +154,16 @@ def _configs(args):
                         recompute=tuple(args.recompute))
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.flags < 0:
+        raise ValueError(f"--flags must be >= 0, got {args.flags}")
     return model, training, cluster, space
 
 
 def _plan(args) -> int:
     model, training, cluster, space = _configs(args)
     profile = load_profile(args.profile) if args.profile else None
-    result = plan(model, training, cluster, space, profile)
+    with working(args, "planning"):
+        result = plan(model, training, cluster, space, profile)
     if args.csv:
         Path(args.csv).write_text(format_csv(result))
     if not result.feasible:
@@ -155,9 +173,24 @@ def _plan(args) -> int:
             print(f"wrote {args.csv} ({len(result.predictions)} configurations)")
         return 1
     print(format_table(result, args.top))
+    if args.flags:
+        print()
+        print(_flags_text(result, args.flags))
     if args.explain:
         print()
         print(format_explanation(result))
     if args.csv:
         print(f"wrote {args.csv} ({len(result.predictions)} configurations)")
     return 0
+
+
+def _flags_text(result, rows: int) -> str:
+    """The Megatron-LM flags of the ``rows`` best rows: the shared ones once."""
+    import shlex
+
+    lines = ["Megatron-LM flags (pretrain_gpt.py with the plugin installed, e.g. "
+             "scripts/pretrain_gpt_vshape.py; DP follows from the GPUs launched):",
+             "  all rows: " + shlex.join(shared_flags(result))]
+    for place, row in enumerate(result.feasible[:rows], start=1):
+        lines.append(f"  #{place} {row.layout.label}: " + shlex.join(row_flags(row, result)))
+    return "\n".join(lines)
