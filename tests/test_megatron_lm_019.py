@@ -23,8 +23,8 @@ import pytest
 
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
 from support.megatron_lm_tier import (
-    ITERS, PP4, TINY_GPT, Runs, assert_same_training, initial_checkpoint, resumed,
-    schedule_flags, trained, under_torchrun)
+    ITERS, MOE_CASES, PP4, TINY_GPT, Runs, assert_same_moe_metrics, assert_same_training,
+    initial_checkpoint, resumed, schedule_flags, trained, under_torchrun)
 
 pytestmark = pytest.mark.megatron_versions
 
@@ -92,6 +92,17 @@ def test_uneven_layers_train_like_1f1b(runs):
     got = runs.get("pp4-uneven-v-half", TINY_GPT + model + start +
                    ["--pipeline-schedule", "v-half", "--train-iters", str(ITERS)])
     assert_same_training(got, reference, "0.19 pp4 14 layers v-half")
+
+
+def test_moe_with_expert_parallelism_trains_like_1f1b(runs):
+    """MoE (tests/test_megatron_lm_moe.py's PP 2 x EP 2 case: alltoall dispatcher, aux loss,
+    distributed optimizer, expert capacity) under v-half: 1f1b's losses, grad norms and logged
+    load-balancing loss (megatron-core 0.19's MoE metrics tracker)."""
+    model = MOE_CASES["moe-ep"]
+    reference = trained(runs, "moe-ep", model, "1f1b")
+    got = trained(runs, "moe-ep", model, "v-half")
+    assert_same_training(got, reference, "0.19 moe-ep v-half")
+    assert_same_moe_metrics(got, reference, "0.19 moe-ep v-half")
 
 
 @pytest.mark.parametrize("model,saved_by,resumed_by", [

@@ -68,7 +68,11 @@ def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
      "stage s lives on rank s % p"),
     (["--pipeline-schedule", "v-half"], {"account_for_loss_in_pipeline_split": True},
      "num_layers = k x PP - 2"),
-    (["--pipeline-schedule", "auto"], {"num_experts": 8}, "MoE (--num-experts)"),
+    (["--pipeline-schedule", "auto"], {"mtp_num_layers": 1}, "a third copy of the tied weight"),
+    (["--pipeline-schedule", "v-half"], {"save": "ckpt", "untie_embeddings_and_output_weights":
+                                         False, "ckpt_fully_parallel_save": True,
+                                         "tensor_model_parallel_size": 1, "world_size": 8},
+     "add --untie-embeddings-and-output-weights or --no-ckpt-fully-parallel-save"),
     (["--pipeline-schedule", "v-half"], {"context_parallel_size": 2}, "--context-parallel-size 1"),
     (["--pipeline-schedule", "v-half"], {"use_legacy_models": True}, "drop --use-legacy-models"),
     (["--pipeline-schedule", "v-half"], {"use_torch_fsdp2": True}, "drop --use-torch-fsdp2"),
@@ -80,7 +84,6 @@ def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
      "use --pipeline-schedule interleaved-1f1b"),
     (["--pipeline-schedule", "zb-1p"], {"pipeline_model_parallel_size": 1},
      "zb-1p needs --pipeline-model-parallel-size >= 2"),
-    (["--pipeline-schedule", "zb-1p"], {"num_experts": 8}, "is not tested with MoE"),
     (["--pipeline-schedule", "v-half", "--pipeline-memory-limit", "0.5"], {},
      "--pipeline-memory-limit applies to --pipeline-schedule auto only"),
     (["--pipeline-schedule", "auto", "--pipeline-memory-limit", "lots"], {},
@@ -120,6 +123,11 @@ PIPELINE_REFUSALS = [
      "--microbatch-group-size-per-virtual-pipeline-stage"),
     ({"use_ring_exchange_p2p": True}, "drop --use-ring-exchange-p2p"),
     ({"pipeline_model_parallel_comm_backend": "ucc"}, "--pipeline-model-parallel-comm-backend"),
+    ({"num_experts": 8, "moe_grouped_gemm": True}, "drop --moe-grouped-gemm"),
+    ({"num_experts": 8, "moe_token_dispatcher_type": "flex"},
+     "use --moe-token-dispatcher-type alltoall"),
+    ({"num_experts": 8, "moe_shared_expert_overlap": True}, "--moe-shared-expert-overlap"),
+    ({"num_experts": 8, "moe_paged_stash": True}, "--moe-paged-stash"),
 ]
 """Flags that change how megatron's own schedules run passes or their communication, or are
 untested under the B/W split: refused under V schedules and zb-1p alike. Fields one
@@ -156,6 +164,31 @@ def test_defaults_of_both_versions_pass():
                     overlap_param_gather_with_optimizer_step=False, wgrad_deferral_limit=0)
     for schedule in ("v-min", "v-half", "v-zb", "auto", "zb-1p"):
         check_arguments(_args(["--pipeline-schedule", schedule], **defaults))
+
+
+@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto", "zb-1p"])
+def test_moe_is_accepted_with_the_tested_dispatchers(schedule):
+    """MoE runs under every schedule of the plugin (tests/test_megatron_lm_moe.py); only what
+    no test runs is refused (PIPELINE_REFUSALS)."""
+    for dispatcher in ("alltoall", "allgather"):
+        check_arguments(_args(["--pipeline-schedule", schedule], num_experts=8,
+                              moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
+                              moe_shared_expert_overlap=False))
+
+
+def test_tied_embeddings_save_under_data_parallel_with_a_way_out():
+    """Tied embeddings under a V with DP > 1 save with --untie-embeddings-and-output-weights
+    or --no-ckpt-fully-parallel-save; DP 1, no --save and 1f1b keep megatron's fully parallel
+    save."""
+    tied = dict(save="ckpt", untie_embeddings_and_output_weights=False,
+                ckpt_fully_parallel_save=True, tensor_model_parallel_size=1, world_size=8)
+    check_arguments(_args(["--pipeline-schedule", "v-half"],
+                          **dict(tied, untie_embeddings_and_output_weights=True)))
+    check_arguments(_args(["--pipeline-schedule", "v-half"],
+                          **dict(tied, ckpt_fully_parallel_save=False)))
+    check_arguments(_args(["--pipeline-schedule", "v-half"], **dict(tied, world_size=4)))
+    check_arguments(_args(["--pipeline-schedule", "v-half"], **dict(tied, save=None)))
+    check_arguments(_args(["--pipeline-schedule", "1f1b"], **tied))
 
 
 def test_the_papers_uneven_layer_counts_are_accepted():

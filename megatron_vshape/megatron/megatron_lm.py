@@ -94,11 +94,33 @@ _V_REFUSALS = (
              "balances rank 0 (embedding and LM head) by giving it fewer layers when --num-layers "
              "is not a multiple of 2 x PP (the paper: num_layers = k x PP - 2): drop "
              "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split"),
-    _Refusal(lambda a: bool(getattr(a, "num_experts", None)),
-             "does not support MoE (--num-experts) yet: use --pipeline-schedule 1f1b"),
     _Refusal(lambda a: bool(getattr(a, "mtp_num_layers", None)),
-             "does not support multi-token prediction (--mtp-num-layers) yet"),
+             "does not support multi-token prediction (--mtp-num-layers) yet: under a V the "
+             "MTP block would sit in rank 0's chunk 1 beside the LM head with its own copy of "
+             "the word embedding, a third copy of the tied weight that the V's tying "
+             "(model.tie_embeddings, sum_tied_embedding_grads) does not keep equal, and no "
+             "test covers MTP's loss under the B/W split: drop --mtp-num-layers, or use "
+             "--pipeline-schedule 1f1b"),
+    _Refusal(lambda a: getattr(a, "save", None) is not None
+             and not getattr(a, "untie_embeddings_and_output_weights", False)
+             and getattr(a, "ckpt_format", "torch_dist") == "torch_dist"
+             and getattr(a, "ckpt_fully_parallel_save", False) and _data_parallel_size(a) > 1,
+             "cannot save a checkpoint with tied embeddings under data parallelism with "
+             "megatron's fully parallel save: rank 0 holds the embedding (chunk 0) and its "
+             "tied copy in the LM head (chunk 1), and the fully parallel save makes both the "
+             "main replica on one data-parallel rank, which dist_checkpointing refuses "
+             "(\"Invalid access pattern ... embedding.word_embeddings.weight\") at the first "
+             "save: add --untie-embeddings-and-output-weights or --no-ckpt-fully-parallel-save"
+             " (data parallel > 1 comes with expert parallelism too)"),
 )
+
+
+def _data_parallel_size(args) -> int:
+    """Data-parallel size from the world and model-parallel sizes (check_arguments runs before
+    Megatron-LM's validate_args computes args.data_parallel_size)."""
+    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
+        getattr(args, "context_parallel_size", 1)
+    return max(1, getattr(args, "world_size", model) // model)
 
 
 def _on(args, *names) -> bool:
@@ -162,17 +184,35 @@ _PIPELINE_REFUSALS = (
              "runs its own point-to-point communication (async sends and receives, one process "
              "group per stream, the default backend): drop --use-ring-exchange-p2p / "
              "--pipeline-model-parallel-comm-backend (they would be ignored)"),
+    _Refusal(lambda a: _moe(a) and _on(a, "moe_grouped_gemm"),
+             "is not tested with grouped-GEMM experts (--moe-grouped-gemm: TE's grouped linear "
+             "or the grouped_gemm package, GPU only, no CPU test runs them, and the local B/W "
+             "split does not cover them): drop --moe-grouped-gemm (SequentialMLP experts, "
+             "whose fc1/fc2 weight gradients run in W), or use --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _moe(a) and getattr(a, "moe_token_dispatcher_type", "allgather")
+             not in ("allgather", "alltoall"),
+             "is tested with the allgather and alltoall token dispatchers only (the flex "
+             "dispatcher's DeepEP / HybridEP kernels run on GPUs only): use "
+             "--moe-token-dispatcher-type alltoall, or --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _moe(a) and _on(a, "moe_shared_expert_overlap"),
+             "does not support --moe-shared-expert-overlap (it overlaps the shared expert with "
+             "the dispatch on a side CUDA stream, untested under the B/W split): drop it, or "
+             "use --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _moe(a) and _on(a, "moe_paged_stash"),
+             "does not support --moe-paged-stash (megatron-core 0.19: megatron's schedules "
+             "reset the stash every step, pipeline_parallel/schedules.py:738; ours do not): "
+             "drop it, or use --pipeline-schedule 1f1b"),
 )
+
+
+def _moe(args) -> bool:
+    """Whether the model has MoE layers (--num-experts)."""
+    return bool(getattr(args, "num_experts", None))
 """Refused under every schedule of the plugin (V and zb-1p): what changes how megatron's own
 schedules run passes or their communication, or is untested under the B/W split."""
 
-_ZB_REFUSALS = (
-    _Refusal(lambda a: bool(getattr(a, "num_experts", None)),
-             "is not tested with MoE (--num-experts: megatron-core 0.16's router needs "
-             "Transformer Engine, so no CPU test runs it, and grouped-GEMM experts would keep "
-             "their weight gradients in B): use --pipeline-schedule 1f1b"),
-)
-"""zb-1p's own (the V's MoE refusal is in _V_REFUSALS)."""
+_ZB_REFUSALS = ()
+"""zb-1p's own (none at present; MoE's are in _PIPELINE_REFUSALS)."""
 
 
 def check_arguments(args) -> None:
@@ -310,9 +350,14 @@ def check_weight_grads_split(chunk, schedule: str) -> None:
                     ", ".join(sorted(kept)))
 
 
-_IN_B_BY_DESIGN = ("Embedding",)
-"""Layer types whose weight gradients stay in B on purpose (embeddings: a sparse, cheap
-gradient); the LM head (``output_layer``) too (wgrad.defer_weight_grads says why)."""
+_IN_B_BY_DESIGN = ("Embedding", "Router")
+"""Layer types whose weight gradients stay in B on purpose: embeddings (a sparse, cheap
+gradient) and MoE routers (TopKRouter's hidden x num_experts gate: its gradient GEMM is
+num_experts / (2 x topk x expert FFN size) of the experts' in the same layer, 0.01 % for 8
+experts top-2 of FFN size 14336, and megatron computes it inside its own autograd Function, moe_utils.RouterGatingLinearFunction,
+which the local split does not reach); the LM head (``output_layer``) too
+(wgrad.defer_weight_grads says why). The experts' fc1/fc2 (SequentialMLP, shared experts) are
+megatron's Column/RowParallelLinear and run their weight gradients in W."""
 
 
 def _weights_kept_in_b(chunk, te_modules) -> set:

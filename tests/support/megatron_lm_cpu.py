@@ -24,8 +24,8 @@ import types
 
 import torch
 
-__all__ = ["install_megatron_lm_cpu_patches", "configure_run", "use_fused_adam", "CpuFusedAdam",
-           "TORCH_ADAMW"]
+__all__ = ["install_megatron_lm_cpu_patches", "install_moe_cpu_patches", "configure_run",
+           "use_fused_adam", "CpuFusedAdam", "TORCH_ADAMW"]
 
 
 class _NoStream:
@@ -36,6 +36,12 @@ class _NoStream:
 
     def synchronize(self) -> None:
         pass
+
+    def record_event(self, *args, **kwargs) -> "_NoStream":
+        """The alltoall dispatcher's device-to-host stream (core/transformer/moe/
+        token_dispatcher.py:445 makes it with torch.cuda.Stream) records an event at :895 and
+        :899 synchronizes on it (0.19.2: :469, :946/:950): the CPU has done the copy already."""
+        return self
 
 
 @contextlib.contextmanager
@@ -261,6 +267,47 @@ def _megatron_core_minor() -> int:
     return int(version("megatron-core").split(".")[1])
 
 
+def _ints(split_sizes):
+    """All-to-all split sizes as a list of ints (None stays None)."""
+    if isinstance(split_sizes, torch.Tensor):
+        return [int(n) for n in split_sizes.tolist()]
+    return split_sizes
+
+
+def install_moe_cpu_patches() -> None:
+    """The two megatron-core problems of MoE on the CPU (gloo, no Transformer Engine).
+
+    - core/transformer/moe/moe_utils.py:1192 (RouterGatingLinearFunction.forward; :1225 its
+      backward) reads ``te_general_gemm``, which 0.16.1 defines only when Transformer Engine
+      imports (:34): NameError. Define it as None, megatron's own meaning of "no TE" (0.19.2
+      does so itself at moe_utils.py:52, read at :1326).
+    - core/tensor_parallel/mappings.py:444 (_AllToAll.forward; 0.19.2: mappings.py:450/:460)
+      passes the alltoall dispatcher's split sizes as tensors (token_dispatcher.py:531/:554
+      make them; moe_utils.py:1093 turns them into numpy arrays only for CUDA tensors);
+      gloo's all_to_all_single takes lists of ints only. Hand it the same sizes as a list
+      (its backward reads the lists the forward stored on ctx).
+
+    Idempotent; part of :func:`install_megatron_lm_cpu_patches`, and applied alone by the
+    megatron-core MoE worker (support.megatron_workers.moe_weight_grads_in_w).
+    """
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    forward = mappings._AllToAll.forward
+    if getattr(forward, "vshape_int_splits", False):
+        return
+
+    @functools.wraps(forward)
+    def int_splits(ctx, group, input_, output_split_sizes, input_split_sizes, *rest, **kwargs):
+        return forward(ctx, group, input_, _ints(output_split_sizes), _ints(input_split_sizes),
+                       *rest, **kwargs)
+
+    int_splits.vshape_int_splits = True
+    mappings._AllToAll.forward = staticmethod(int_splits)
+
+
 def install_megatron_lm_cpu_patches() -> None:
     """Apply every patch (idempotent); before Megatron-LM's training code runs."""
     if getattr(torch, "_vshape_megatron_lm_cpu", False):
@@ -275,4 +322,5 @@ def install_megatron_lm_cpu_patches() -> None:
     allow_sequence_parallel_norms()
     _patch_torch()
     _patch_megatron_lm()
+    install_moe_cpu_patches()
     torch._vshape_megatron_lm_cpu = True

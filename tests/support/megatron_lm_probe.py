@@ -5,6 +5,11 @@ bit-equality where there is one. :func:`install_probe` wraps ``train_step`` (eac
 reduced loss dict, grad norm, skipped flag) and ``evaluate`` (each evaluation's loss dict) in
 ``megatron.training.training`` -- train() and evaluate_and_print_results() look them up there
 by name -- and appends one JSON line per event to ``$VSHAPE_E2E_RECORD/rank<RANK>.jsonl``.
+For MoE models it also records what training_log adds to the logged loss dict for the MoE
+metrics (load_balancing_loss, z_loss, ...): core_v0.16.1's training.py:1974 calls
+``track_moe_metrics`` (imported by name at :144), the 0.19-era training.py:2782
+``get_moe_metrics_tracker().report``; both add the PP-reduced, microbatch-scaled per-layer
+sums to ``total_loss_dict``.
 Without that variable nothing is written. Test support only, like megatron_lm_cpu.
 """
 from __future__ import annotations
@@ -63,10 +68,35 @@ def install_probe() -> None:
         _write({"kind": "eval", **where, "loss": _floats(result[0])})
         return result
 
+    _probe_moe_metrics(training)
     probed_train_step.vshape_probe = True
     training.train_step = probed_train_step
     training.evaluate_and_print_results = probed_evaluate_and_print
     training.evaluate = probed_evaluate
+
+
+def _moe_metrics_recorder(original):
+    """``original`` (track_moe_metrics / the tracker's report), recording the values it adds
+    to ``total_loss_dict`` for this iteration."""
+    @functools.wraps(original)
+    def recorded(*args, **kwargs):
+        totals = kwargs.get("total_loss_dict")
+        before = {k: float(v) for k, v in (totals or {}).items()}
+        result = original(*args, **kwargs)
+        if totals is not None:
+            _write({"kind": "moe", "iteration": kwargs["iteration"],
+                    "loss": {k: float(v) - before.get(k, 0.0) for k, v in totals.items()
+                             if k in (kwargs.get("track_names") or ())}})
+        return result
+    return recorded
+
+
+def _probe_moe_metrics(training) -> None:
+    if hasattr(training, "track_moe_metrics"):  # core_v0.16.1
+        training.track_moe_metrics = _moe_metrics_recorder(training.track_moe_metrics)
+    if hasattr(training, "get_moe_metrics_tracker"):  # the 0.19 era
+        tracker = type(training.get_moe_metrics_tracker())
+        tracker.report = _moe_metrics_recorder(tracker.report)
 
 
 @dataclass
@@ -75,11 +105,14 @@ class Records:
 
     train: list = field(default_factory=list)
     evals: list = field(default_factory=list)
+    moe: list = field(default_factory=list)
+    """Iterations' MoE metrics as logged ({'iteration', 'loss': {'load_balancing_loss', ..}})."""
 
     def since(self, iteration: int) -> "Records":
         """Training records from ``iteration`` on, and the evaluations run there."""
         return Records([e for e in self.train if e["iteration"] >= iteration],
-                       [e for e in self.evals if e["iteration"] >= iteration])
+                       [e for e in self.evals if e["iteration"] >= iteration],
+                       [e for e in self.moe if e["iteration"] >= iteration])
 
     def losses(self, key: str = "lm loss") -> list:
         return [event["loss"][key] for event in self.train]
@@ -89,6 +122,10 @@ class Records:
 
     def iterations(self) -> list:
         return [event["iteration"] for event in self.train]
+
+    def moe_metrics(self, key: str = "load_balancing_loss") -> list:
+        """(iteration, value) of a logged MoE metric, one per training iteration."""
+        return [(event["iteration"], event["loss"][key]) for event in self.moe]
 
     def eval_losses(self, key: str = "lm loss") -> list:
         return [(event["prefix"], event["iteration"], event["loss"][key]) for event in self.evals]
@@ -100,5 +137,6 @@ def read_records(folder: str | Path, rank: int) -> Records:
     path = Path(folder) / f"rank{rank}.jsonl"
     for line in path.read_text(encoding="utf-8").splitlines():
         event = json.loads(line)
-        (records.train if event["kind"] == "train" else records.evals).append(event)
+        {"train": records.train, "eval": records.evals, "moe": records.moe}[
+            event["kind"]].append(event)
     return records

@@ -18,8 +18,9 @@ from pathlib import Path
 from support.megatron_lm_launch import REPO, Launcher, RunResult, megatron_lm_env
 from support.megatron_lm_probe import Records, read_records
 
-__all__ = ["SCRIPT", "REL", "ITERS", "TINY_GPT", "PP4", "Run", "Runs", "assert_same_training",
-           "schedule_flags", "initial_checkpoint", "trained", "resumed", "under_torchrun"]
+__all__ = ["SCRIPT", "REL", "ITERS", "TINY_GPT", "PP4", "MOE_CASES", "Run", "Runs",
+           "assert_same_training", "assert_same_moe_metrics", "schedule_flags",
+           "initial_checkpoint", "trained", "resumed", "under_torchrun"]
 
 SCRIPT = REPO / "scripts" / "pretrain_gpt_vshape.py"
 REL = 1e-5
@@ -101,7 +102,44 @@ def assert_same_training(run: Run, reference: Run, label: str, first: int = 1) -
     return report
 
 
+def assert_same_moe_metrics(run: Run, reference: Run, label: str, first: int = 1) -> dict:
+    """The MoE metrics Megatron-LM logs (load_balancing_loss, z_loss: PP-reduced sums over
+    layers and microbatches) of iterations ``first``..ITERS equal the reference's (REL)."""
+    got, want = run.records.since(first), reference.records.since(first)
+    names = sorted(want.moe[0]["loss"]) if want.moe else []
+    assert "load_balancing_loss" in names, f"{label}: the reference logged no MoE metrics"
+    report = {"case": label}
+    for name in names:
+        assert [i for i, _ in got.moe_metrics(name)] == list(range(first, ITERS + 1)), \
+            f"{label}: {name} logged for iterations {[i for i, _ in got.moe_metrics(name)]}"
+        report[name] = max(_rel(a, b) for (_, a), (_, b) in
+                           zip(got.moe_metrics(name), want.moe_metrics(name)))
+    print(report)
+    assert all(report[name] <= REL for name in names), report
+    return report
+
+
 PP4 = ["--pipeline-model-parallel-size", "4"]
+
+_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+        "--moe-router-load-balancing-type", "aux_loss"]
+MOE_CASES = {
+    "moe-ep": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+               "--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer",
+               "--untie-embeddings-and-output-weights", "--moe-expert-capacity-factor", "1.0",
+               "--moe-pad-expert-input-to-capacity"] + _MOE,
+    "moe-pp4": ["--pipeline-model-parallel-size", "4", "--moe-token-dispatcher-type",
+                "allgather", "--disable-bias-linear", "--moe-z-loss-coeff", "1e-3",
+                "--moe-shared-expert-intermediate-size", "64"] + _MOE,
+}
+"""The MoE tiers' models (4 experts, top-2, load-balancing loss) on top of TINY_GPT: PP 2 x
+EP 2 (DP 2) with the alltoall dispatcher, the distributed optimizer and expert capacity with
+padding (token dropping); PP 4 with the allgather dispatcher, z-loss and a shared expert.
+moe-ep unties the embeddings: with tied ones and DP > 1 megatron's fully parallel save cannot
+save a V (megatron_lm's refusal says why). moe-pp4 has no linear biases: megatron-core 0.16's
+experts add their bias in place to the output of a RowParallelLinear that returns its input
+as a view with EP 1 (core/transformer/mlp.py:247), which autograd refuses under every
+schedule, 1f1b included."""
 
 
 def schedule_flags(schedule: str) -> list:

@@ -381,3 +381,48 @@ def megatron_schedules_on_v_chunks(rank, world, num_microbatches=4):
                            "vshape_original")
     return {"errors": errors, "losses": [tiny_gpt.loss_value(d) for d in losses],
             "restored": restored}
+
+
+def moe_weight_grads_in_w(rank, world):
+    """A two-layer MoE GPT (SequentialMLP experts, a shared expert, the top-k router with
+    load-balancing and z-loss), built twice with the same weights: one as megatron computes
+    it, one with its weight gradients deferred (defer_weight_grads, as V chunks and zb-1p are).
+    One microbatch's B, then its W: which weights got their gradient in B, which in W, and how
+    far the gradients are from megatron's."""
+    from support.megatron_lm_cpu import install_moe_cpu_patches
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_vshape.megatron.megatron_lm import _weights_kept_in_b
+    from megatron_vshape.megatron.wgrad import defer_weight_grads
+    from megatron_vshape.runtime.wgrad import WeightGradStore
+
+    _setup(1)
+    install_moe_cpu_patches()
+    config = gpt_config(2, 1, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                        moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=32,
+                        moe_token_dispatcher_type="allgather", add_bias_linear=False)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    models = [GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                       max_sequence_length=SEQ, share_embeddings_and_output_weights=False)
+              for _ in range(2)]
+    for model in models:
+        init_by_name([model], tied=False)
+    reference, split = models
+    store = WeightGradStore()
+    registered = defer_weight_grads(split, store, mark_for_ddp=True)
+    batch = batches(1, 0)[0]
+    in_b = []
+    for model in models:
+        with store.collecting(0):
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            output.float().mean().backward()
+        if model is split:
+            in_b = sorted(n for n, p in split.named_parameters() if p.grad is not None)
+            store.run(0)
+    want = dict(reference.named_parameters())
+    diff = max(float((p.grad - want[n].grad).abs().max()) for n, p in split.named_parameters())
+    return {"registered": registered, "in_b": in_b, "diff": diff, "pending": store.pending,
+            "kept": sorted(_weights_kept_in_b(split, [])),
+            "experts": sorted(n for n, _ in split.named_parameters() if "experts" in n)}

@@ -1,0 +1,101 @@
+"""Mixture-of-Experts under every schedule of the plugin, in Megatron-LM's own training loop.
+
+Two MoE GPTs (4 experts, top-2, load-balancing loss; local spec: SequentialMLP experts of
+megatron linears; support.megatron_lm_tier.MOE_CASES) run ``scripts/pretrain_gpt_vshape.py``
+on 4 gloo processes, as tests/test_megatron_lm_e2e.py runs the dense one (one initial
+checkpoint, 4 iterations, a validation step at iterations 2 and 4):
+
+    case        parallelism          dispatcher  also on
+    moe-ep      PP 2 x EP 2 (DP 2)   alltoall    distributed optimizer, expert capacity 1.0
+                                                 with padding (token dropping), untied
+    moe-pp4     PP 4                 allgather   z-loss, a shared expert, no linear biases
+
+Each of zb-1p, v-min, v-half, v-zb and auto must give 1f1b's losses, grad norms, validation
+losses and logged MoE metrics (load_balancing_loss, z_loss: megatron's tracker, reduced over
+the pipeline, so both chunks of a V rank count) to 1e-5 relative (fp32); so far they agree to
+the last bit or a few ulps. The aux losses' backward scale (MoEAuxLossAutoScaler) is set by
+megatron's own forward_step, which the V's F passes call for every microbatch as megatron's
+schedules do; a wrong scale would show in the grad norms. Checkpoints saved under a V resume
+under 1f1b and the reverse, with megatron's plain optimizer (moe-pp4) and its distributed
+optimizer (moe-ep). megatron-core's two CPU problems with MoE (``te_general_gemm``, gloo's
+all-to-all split sizes) are patched in support.megatron_lm_cpu, each naming its line.
+
+Which weights keep their gradient in B is checked in one process on megatron-core alone
+(:func:`test_expert_weight_gradients_run_in_w`, both megatron-core versions).
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+from support.megatron_cpu import importorskip_megatron  # noqa: E402
+
+importorskip_megatron()
+
+from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
+from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER  # noqa: E402
+from support.megatron_lm_tier import (  # noqa: E402
+    MOE_CASES, assert_same_moe_metrics, assert_same_training, resumed, trained)
+from support.megatron_workers import moe_weight_grads_in_w  # noqa: E402
+
+def _real_loop_or_skip() -> None:
+    if not (MEGATRON_LM / "megatron" / "training").is_dir():
+        pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM}")
+    if TAKES_CONFIG_CONTAINER:
+        pytest.skip(f"{MEGATRON_LM} holds the 0.19-era training code: tests/test_megatron_lm_019"
+                    ".py runs its MoE case")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    _real_loop_or_skip()
+    from support.megatron_lm_launch import Launcher
+    from support.megatron_lm_tier import Runs
+
+    launcher = Launcher()
+    yield Runs(launcher, tmp_path_factory.mktemp("megatron-lm-moe"))
+    launcher.close()
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+@pytest.mark.parametrize("schedule", ["zb-1p", "v-min", "v-half", "v-zb", "auto"])
+def test_moe_trains_like_1f1b(runs, case, schedule):
+    reference = trained(runs, case, MOE_CASES[case], "1f1b")
+    got = trained(runs, case, MOE_CASES[case], schedule)
+    assert_same_training(got, reference, f"{case} {schedule}")
+    assert_same_moe_metrics(got, reference, f"{case} {schedule}")
+    for rank in range(4):
+        assert "weight gradients in B" not in got.log(rank), got.log(rank)[-2000:]
+
+
+@pytest.mark.parametrize("case,saved_by,resumed_by", [
+    ("moe-pp4", "v-half", "1f1b"), ("moe-pp4", "1f1b", "v-half"),
+    ("moe-ep", "v-zb", "1f1b"), ("moe-ep", "1f1b", "v-zb")])
+def test_moe_checkpoint_resumes_under_another_schedule(runs, case, saved_by, resumed_by):
+    """Saved at iteration 2, resumed: iterations 3 and 4 equal the uninterrupted 1f1b run's
+    (moe-pp4: megatron's plain optimizer; moe-ep: its distributed optimizer, saved fully
+    reshardable, with expert-parallel shards)."""
+    uninterrupted = trained(runs, case, MOE_CASES[case], "1f1b")
+    got = resumed(runs, case, MOE_CASES[case], saved_by, resumed_by)
+    label = f"{case} {saved_by} -> {resumed_by}"
+    assert_same_training(got, uninterrupted, label, first=3)
+    assert_same_moe_metrics(got, uninterrupted, label, first=3)
+
+
+@pytest.mark.megatron_versions
+def test_expert_weight_gradients_run_in_w():
+    """Every expert's fc1 and fc2 and the shared expert's run their weight gradients in W
+    (defer_weight_grads, as V chunks and zb-1p do), with megatron's gradients exactly; the
+    router's weight keeps its gradient in B by design (megatron_lm._IN_B_BY_DESIGN says why),
+    and nothing else is left in B unannounced."""
+    [outcome] = run_gloo(moe_weight_grads_in_w, 1, timeout=300)
+    assert outcome.ok, outcome.error
+    result = outcome.value
+    experts = result["experts"]
+    assert len(experts) == 2 * (4 * 2 + 2)  # 2 layers x (4 experts + 1 shared) x fc1, fc2
+    assert not set(experts) & set(result["in_b"]), result["in_b"]
+    assert [n for n in result["in_b"] if "linear" in n] == [], result["in_b"]
+    assert {n for n in result["in_b"] if "router" in n} == \
+        {f"decoder.layers.{i}.mlp.router.weight" for i in (0, 1)}
+    assert result["kept"] == [] and result["pending"] == []
+    assert result["diff"] == 0.0
