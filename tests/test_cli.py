@@ -167,6 +167,7 @@ def test_no_progress_when_standard_error_is_not_a_terminal(capsys, monkeypatch):
 @pytest.mark.parametrize("argv, desc", [
     (["search", "-p", "4", "-m", "8", "--memory-limit", "0.5"], "searching: 00:0"),
     (["frontier", "-p", "4", "-m", "8"], "searching the frontier: 00:0"),
+    (["collect", str(ROOT / "tests" / "data" / "logs")], "reading logs: 00:0"),
 ])
 def test_long_commands_show_elapsed_time(argv, desc, monkeypatch):
     terminal = _terminal(monkeypatch)

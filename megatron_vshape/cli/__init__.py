@@ -4,7 +4,8 @@ Each module registers its own subcommands (``register(subparsers)``, each parser
 ``handler``): ``demo`` (the main job: a tiny GPT on CPU under every schedule), ``schedules``
 (simulate, render, export, compare, search, frontier), ``plan`` (the planner), ``profile``
 (measured costs for ``plan --profile``), ``experiments`` (grid, collect), ``gpu-check``
-(every schedule and the planner checked on one device in one call).
+(every schedule and the planner checked on one device in one call). ``ui`` gives them their
+help pages (a description and examples) and progress output.
 """
 from __future__ import annotations
 

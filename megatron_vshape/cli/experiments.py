@@ -16,7 +16,7 @@ from ..experiments.commands import (command_line, write_array_job, write_command
                                     write_manifest)
 from ..experiments.grid import PLAN_RULE, Expansion, expand, prune
 from ..experiments.grid_file import load_grid
-from .ui import add_progress_argument, counting, subcommand
+from .ui import add_progress_argument, counting, progress, subcommand, working
 
 __all__ = ["register"]
 
@@ -70,6 +70,7 @@ def register(sub) -> None:
                      help="the GPU's peak TFLOP/s for MFU (default %(default)g: H100 bf16 dense)")
     col.add_argument("--warmup", type=int, default=3,
                      help="leave iterations 1..N out of the medians (default %(default)s)")
+    add_progress_argument(col)
     col.set_defaults(handler=_collect)
     paper = subcommand(
         sub, "paper", help="predict the paper's grid search (docs/paper-reproduction.md)",
@@ -90,6 +91,7 @@ def register(sub) -> None:
                             "with one gets a calibrated column")
     paper.add_argument("--output", "-o", default="docs/paper-reproduction.md",
                        help="the markdown file to write (default %(default)s)")
+    add_progress_argument(paper)
     paper.set_defaults(handler=_paper)
 
 
@@ -197,7 +199,8 @@ def _collect(args) -> int:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.plot and Path(args.plot).suffix.lower() not in _PLOT_SUFFIXES:
         raise ValueError(f"--plot must end in {', '.join(_PLOT_SUFFIXES)}, got {args.plot!r}")
-    rows = collect(args.log_dirs, args.peak_tflops, args.warmup)
+    with working(args, "reading logs"):
+        rows = collect(args.log_dirs, args.peak_tflops, args.warmup)
     if not rows:
         raise ValueError(f"no Megatron-LM log (*.log with an argument dump or iteration lines) "
                          f"under {', '.join(args.log_dirs)}")
@@ -214,8 +217,6 @@ def _collect(args) -> int:
 def _paper(args) -> int:
     import shlex
 
-    from tqdm import tqdm
-
     from ..experiments.calibrate import PROFILE_DIR, calibrate, render_calibrated
     from ..experiments.predict import predict_case, render
 
@@ -228,7 +229,7 @@ def _paper(args) -> int:
     cases = [(g, s) for g in grids for s in g.seq_lengths
              if not args.seq_lengths or s in args.seq_lengths]
     results = [predict_case(g, s, args.auto_candidates)
-               for g, s in tqdm(cases, desc="planning", unit="case")]
+               for g, s in progress(cases, args, desc="planning", unit="case")]
     calibrations = [c for c in (calibrate(case, Path(args.profiles or PROFILE_DIR),
                                           args.auto_candidates) for case in results) if c]
     command = " ".join(["vshape", "paper", *map(shlex.quote, args.grids)]

@@ -21,7 +21,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from ..plan.candidates import GridPoint
+from ..plan.evaluate import Evaluator
 from ..plan.model import ModelConfig
+from ..plan.settings import ClusterConfig, TrainingConfig
 from ..schedule import SCHEDULES, Layout, build_schedule
 
 __all__ = ["ScheduleChoice", "Gpus", "SlurmOptions", "GridConfig", "LayerSplit", "Point", "Skip",
@@ -450,10 +453,8 @@ def _recompute(choice: ScheduleChoice) -> str:
     return next((kind for kind, flag in _RECOMPUTE_FLAGS.items() if flag in flags), "none")
 
 
-def _training(grid: GridConfig, seq_length: int):
+def _training(grid: GridConfig, seq_length: int) -> TrainingConfig:
     """The planner's training settings for the grid's Megatron-LM flags at ``seq_length``."""
-    from ..plan.settings import TrainingConfig
-
     flags = " ".join(grid.extra_args)
     precision = "bf16" if ("--bf16" in flags or "--fp16" in flags) else "fp32"
     return TrainingConfig(
@@ -474,9 +475,6 @@ def prune(expansion: Expansion, on_point: Callable[[], None] | None = None) -> E
     selective recomputation); ``auto`` fits where the planner's search finds a V schedule under
     the memory left. ``on_point`` is called after each point (progress).
     """
-    from ..plan.evaluate import Evaluator
-    from ..plan.settings import ClusterConfig
-
     grid = expansion.grid
     if grid.gpu_memory_gib is None:
         raise ValueError(f"grid {grid.name}: pruning by memory needs gpu_memory_gib in the grid "
@@ -502,11 +500,9 @@ def prune(expansion: Expansion, on_point: Callable[[], None] | None = None) -> E
     return Expansion(grid, tuple(kept), tuple(skipped))
 
 
-def _memory_failure(evaluator, point: Point, recompute: str) -> str | None:
+def _memory_failure(evaluator: Evaluator, point: Point, recompute: str) -> str | None:
     """The planner's reason ``point`` cannot fit, or None. ``auto`` fits where V-Min does (the
     search reaches V-Min's memory), else where the planner's own search finds a schedule."""
-    from ..plan.candidates import GridPoint
-
     at = GridPoint(point.dp, point.tp, point.pp, point.mbs, point.microbatches)
     if point.choice.schedule == "auto" and point.pp > 1:
         if evaluator.evaluate(at, "v-min").feasible:
