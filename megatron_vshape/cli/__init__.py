@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ScheduleError, ValueError) as err:
         print(f"vshape: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `vshape ... | head` stopped reading: nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
     except OSError as err:
-        if err.filename is None:  # not about a path (a closed pipe, say): not ours to word
+        if err.filename is None:  # not about a path: not ours to word
             raise
         print(f"vshape: error: {_path_error(args, err)}", file=sys.stderr)
         return 2
