@@ -1,8 +1,9 @@
 """What many test files share: the H100 cost set and the memory model where B frees most of a
-chunk, and a fixture that empties the schedule caches around a test.
+chunk, a fixture that empties the schedule caches around a test, and a guard that puts a test
+file that starts processes into its tier even where the file does not say so.
 
-The test tiers (the markers registered in pytest.ini) and the fast loop that leaves out the slow
-ones are described in docs/design.md, "Tests". Test files import from here by module name
+The test tiers (the markers registered in pytest.ini) and the fast loop that leaves them out are
+described in docs/design.md, "Tests". Test files import from here by module name
 (``from conftest import H100``): pytest puts tests/ on the path for its conftest.
 """
 import pytest
@@ -31,3 +32,22 @@ def fresh_caches():
     clear_caches()
     yield
     clear_caches()
+
+
+_TIER_OF_IMPORT = {"Launcher": ("support.megatron_lm_launch", "e2e"),
+                   "run_gloo": ("megatron_vshape.runtime.launch", "gloo")}
+"""A module-level import that starts processes, and the tier of every test in such a module."""
+
+
+def pytest_collection_modifyitems(items):
+    """Tests in a module that imports Megatron-LM's launcher are ``e2e``, in one that imports
+    ``run_gloo`` ``gloo``, unless marked either already: so a new file that forgets its
+    ``pytestmark`` still stays out of the fast loop."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or item.get_closest_marker("e2e") or item.get_closest_marker("gloo"):
+            continue
+        for name, (source, tier) in _TIER_OF_IMPORT.items():
+            if getattr(vars(module).get(name), "__module__", None) == source:
+                item.add_marker(tier)
+                break

@@ -14,7 +14,8 @@ PEAK = {
 
 
 @pytest.mark.parametrize("name", sorted(PEAK))
-@pytest.mark.parametrize("p", range(2, 33))
+@pytest.mark.parametrize("p", [*range(2, 25),  # p 25-32: 2-16 s each
+                               *(pytest.param(p, marks=pytest.mark.slow) for p in range(25, 33))])
 def test_peak_memory_is_exact_for_uniform_costs(name, p):
     result = simulate(build_schedule(name, p, 2 * p))
     assert result.peak_memory_max == PEAK[name](p)
@@ -66,6 +67,7 @@ def test_v_zb_span_bubble_is_small(p):
 positive = st.floats(0.1, 5.0, allow_nan=False, allow_infinity=False)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(SCHEDULES),

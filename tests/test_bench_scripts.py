@@ -22,6 +22,7 @@ def _lines(script: str, *args: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
+@pytest.mark.slow
 def test_search_bench_reports_each_case_and_the_infeasible_one():
     rows = _lines("search.py", "--ranks", "4", "8", "--microbatches", "4", "16", "--repeats", "2")
     assert [(r["ranks"], r["microbatches"]) for r in rows] == [(4, 4), (4, 16), (8, 4), (8, 16)]

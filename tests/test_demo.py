@@ -12,6 +12,7 @@ from megatron_vshape.cli import build_parser, main  # noqa: E402
 from megatron_vshape.cli.demo import _settings  # noqa: E402
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron_versions
 def test_demo_trains_the_same_model_under_every_schedule(tmp_path, capsys):
     """p = 2 keeps it short; every schedule's losses and gradients must equal megatron's own

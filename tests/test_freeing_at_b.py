@@ -8,7 +8,6 @@ import pytest
 from megatron_vshape.schedule import (MemoryModel, build_schedule, parse_costs, simulate,
                                       validate)
 from megatron_vshape.schedule.search.freeing_at_b import freeing_nothing_at_b, refined_under
-from megatron_vshape.schedule.search.levels import clear_caches
 from conftest import B_FREES, H100
 
 adaptive = importlib.import_module("megatron_vshape.schedule.search.adaptive")
@@ -42,14 +41,13 @@ def test_fused_passes_are_not_refined():
     assert refined_under(paper, parse_costs(H100, 4), B_FREES, 8, 1000) == []
 
 
-def test_v_min_at_h100_costs_reaches_the_target_only_through_the_refinement():
+def test_v_min_at_h100_costs_reaches_the_target_only_through_the_refinement(fresh_caches):
     """p = 8, m = 32: the default model's answer and a whole search under the model stay above
     1.10 x 1F1B (239.6 = 1.104 x); deferring the W passes of the default model's answer under
     the model and polishing it gets below."""
     p, m = 8, 32
     costs = parse_costs(H100, p)
     one = simulate(build_schedule("1f1b", p, m), costs, B_FREES).makespan
-    clear_caches()
     level = float((p + 4) // 3)
     default = adaptive.search(p, m, costs, level).result.makespan
     own = adaptive._search_one(p, m, costs, level, B_FREES, True).result.makespan
@@ -61,12 +59,12 @@ def test_v_min_at_h100_costs_reaches_the_target_only_through_the_refinement():
     assert ours.peak_memory_max <= level + 1e-9
 
 
-def test_the_model_gets_no_search_of_its_own_where_the_default_model_fits(monkeypatch):
+def test_the_model_gets_no_search_of_its_own_where_the_default_model_fits(monkeypatch,
+                                                                         fresh_caches):
     """p = 4, m = 16 at V-Half's memory (384 passes; a search of its own used to run there):
     the only search is the default model's, and the answer is at least as fast as it."""
     p, m, level = 4, 16, 3.0
     costs = parse_costs(H100, p)
-    clear_caches()
     searched = []
     search_one = adaptive._search_one
     monkeypatch.setattr(adaptive, "_search_one",
@@ -76,4 +74,3 @@ def test_the_model_gets_no_search_of_its_own_where_the_default_model_fits(monkey
     assert searched == [MemoryModel()]
     assert found.result.makespan <= simulate(default.schedule, costs, B_FREES).makespan + 1e-9
     validate(found.schedule, memory_limit=level, memory=B_FREES)
-    clear_caches()

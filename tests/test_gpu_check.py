@@ -25,6 +25,7 @@ from megatron_vshape.schedule import build_schedule  # noqa: E402
 SCHEDULES = ["1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto"]
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron_versions
 def test_cpu_mode_report(tmp_path, capsys):
     """PP 4 processes, the tiny GPT in fp32: every schedule's losses equal the reference's
@@ -55,6 +56,7 @@ def test_cpu_mode_report(tmp_path, capsys):
     assert "report.json" in capsys.readouterr().out
 
 
+@pytest.mark.gloo
 def test_bf16_path_on_cpu():
     """The GPU's dtype path without a GPU: the tiny model in bf16 on CPU processes. The
     schedules' losses equal the reference's (bit-identical here, as in fp32), and the tracked
@@ -150,6 +152,7 @@ def test_report_assembly_for_cuda():
     assert "| v-half |" in page and "| memory |" in page and "**FAILED**" in page
 
 
+@pytest.mark.gloo
 def test_profile_step_measures_tp_shards_within_its_budget(monkeypatch):
     """The GPU's profile step on CPU with two paper models narrowed to 4 dims per head (same
     heads, FFN and vocabulary ratios): one spawned process, TP 1/2/4/8 shards per file; a

@@ -14,6 +14,8 @@ importorskip_megatron()
 from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
 from support.megatron_workers import compare_runs  # noqa: E402
 
+pytestmark = pytest.mark.gloo
+
 V_SCHEDULES = ("zb-1p", "v-min", "v-half", "v-zb", "auto")
 STEPS = 2
 

@@ -26,6 +26,8 @@ from support.megatron_lm_tier import (  # noqa: E402
     ITERS, PP4, TINY_GPT, Run, Runs, assert_same_training, initial_checkpoint, resumed,
     schedule_flags, trained, under_torchrun)
 
+pytestmark = pytest.mark.e2e
+
 if not (MEGATRON_LM / "megatron" / "training").is_dir():
     pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
                 allow_module_level=True)

@@ -21,6 +21,8 @@ from support.megatron_lm_tier import PP4, REL, SCRIPT  # noqa: E402
 from support.megatron_lm_tier import TINY_GPT as TIER_GPT  # noqa: E402
 from support.megatron_lm_probe import read_records  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 if not (MEGATRON_LM / "megatron" / "training").is_dir():
     pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
                 allow_module_level=True)

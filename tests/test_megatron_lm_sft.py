@@ -29,6 +29,8 @@ pytest.importorskip("megatron.core")
 from support.megatron_lm_launch import MEGATRON_LM, Launcher  # noqa: E402
 from support.megatron_lm_probe import read_records  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 if not (MEGATRON_LM / "megatron" / "training").is_dir():
     pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
                 allow_module_level=True)

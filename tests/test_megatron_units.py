@@ -165,6 +165,7 @@ def test_v_marker_is_found_through_wrappers():
     assert is_v_placed(chunk) and is_v_placed(wrapper)
 
 
+@pytest.mark.gloo
 def test_megatrons_schedules_refuse_v_chunks_while_installed():
     """A loop reaching megatron's interleaved (or 1F1B, or no-pipelining) function by a name
     install() does not wrap fails naming the problem, instead of running the interleaved order

@@ -22,6 +22,8 @@ import pytest
 import megatron_vshape
 from megatron_vshape.configs import CONFIG_DIR, KINDS
 
+pytestmark = pytest.mark.slow  # a wheel built, pip run in virtualenvs: 5-20 s each
+
 ROOT = Path(__file__).resolve().parents[1]
 USER_STACK = {"torch": "2.15.0", "megatron-core": "0.19.2"}
 """An NGC-style container's (CUDA builds; here only their metadata)."""

@@ -33,6 +33,7 @@ def _row(text: str, model: str, seq: int) -> str:
     return rows[0]
 
 
+@pytest.mark.slow
 def test_one_case_names_every_family_and_the_best_v_speed_up(small_case):
     row = _row(small_case, "gpt-9.6b", 3072)
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -69,6 +70,7 @@ def test_no_profile_leaves_the_page_as_it_was(small_case):
     assert "Calibrated" not in small_case and "Calibrated" not in DOC.read_text()
 
 
+@pytest.mark.slow
 def test_a_gpu_profile_adds_a_calibrated_column(tmp_path, capsys):
     """A profile like gpu-check writes (TP 1, 2, 4, 8 at micro batch 1), here the analytic
     layer times x 1.25: the case is planned again from it, the section names the ratio per

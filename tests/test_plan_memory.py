@@ -22,6 +22,8 @@ from megatron_vshape.plan.settings import ClusterConfig, TrainingConfig  # noqa:
 from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
 from support.plan_workers import measure_peaks  # noqa: E402
 
+pytestmark = pytest.mark.gloo
+
 MODEL = load_model_config("tiny")
 MICRO_BATCH = 2
 ISSUE_TOLERANCE = 0.20

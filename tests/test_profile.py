@@ -37,6 +37,7 @@ def _body(path: Path) -> str:
                    if not line.startswith("#"))
 
 
+@pytest.mark.gloo
 def test_profile_cli_writes_what_plan_reads(tmp_path, capsys):
     out, profile = _measure_tiny(tmp_path, "cpu")
     printed = capsys.readouterr().out

@@ -16,6 +16,7 @@ def _schedule(orders, layout, p, m):
     return Schedule("t", Placement(p, layout), m, tuple(tuple(o) for o in orders))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(p=st.integers(2, 16), m_factor=st.floats(0.1, 6), family=st.sampled_from([V_MIN, V_HALF, ZB_1P]))
 def test_cool_down_keeps_bound_and_never_loses_to_plain(p, m_factor, family):
@@ -133,6 +134,7 @@ def test_continuous_block_at_uniform_costs_is_v_min(p):
     assert ours.bubble_rate == pytest.approx(v_min.bubble_rate, abs=1e-9)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(p=st.integers(2, 10), m_factor=st.floats(0.2, 4), window=st.sampled_from([1, 4, 12]),
        costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)))
@@ -156,6 +158,7 @@ def test_timed_replay_is_valid_keeps_the_cap_and_times_like_the_simulator(p, m_f
     assert replay.makespan == pytest.approx(simulate(schedule, c).makespan, rel=1e-12, abs=1e-9)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(p=st.integers(2, 10), m_factor=st.floats(0.5, 4), slack=st.sampled_from([1, 2]),
        costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)),

@@ -15,6 +15,8 @@ from support import runtime_workers as workers
 
 import torch
 
+pytestmark = pytest.mark.gloo
+
 SCHEDULES = ("1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto")
 
 

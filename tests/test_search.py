@@ -26,7 +26,9 @@ def test_auto_never_loses_to_a_fixed_block_at_its_memory(p, costs, name):
     assert found.result.bubble_rate <= fixed.bubble_rate + 1e-9
 
 
-@pytest.mark.parametrize("p,m,costs", [(4, 16, (1, 1, 1, 0)), (8, 32, (1, 1, 1, 0)), (8, 32, (1, 1.2, 0.8, 0.1))])
+@pytest.mark.parametrize("p,m,costs", [(4, 16, (1, 1, 1, 0)),
+                                       pytest.param(8, 32, (1, 1, 1, 0), marks=pytest.mark.slow),
+                                       pytest.param(8, 32, (1, 1.2, 0.8, 0.1), marks=pytest.mark.slow)])
 def test_frontier_bubble_falls_as_memory_grows(p, m, costs):
     points = frontier(p, m, Costs.build(p, *costs[:3], comm=costs[3]))
     assert len(points) >= 2
@@ -37,6 +39,7 @@ def test_frontier_bubble_falls_as_memory_grows(p, m, costs):
     assert peaks[-1] <= min(p, m)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(p=st.integers(2, 8), m_factor=st.floats(0.2, 4), fraction=st.floats(0.2, 2.0),
        costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)))
@@ -114,6 +117,7 @@ def test_search_cli_errors_name_the_setting(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_frontier_cli_writes_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "frontier.png"
