@@ -1,6 +1,6 @@
 """Mixture-of-Experts under every schedule of the plugin, in Megatron-LM's own training loop.
 
-Two MoE GPTs (4 experts, top-2, load-balancing loss; local spec: SequentialMLP experts of
+Three MoE GPTs (4 experts, top-2, load-balancing loss; local spec: SequentialMLP experts of
 megatron linears; support.megatron_lm_tier.MOE_CASES) run ``scripts/pretrain_gpt_vshape.py``
 on 4 gloo processes, as tests/test_megatron_lm_e2e.py runs the dense one (one initial
 checkpoint, 4 iterations, a validation step at iterations 2 and 4):
@@ -9,16 +9,19 @@ checkpoint, 4 iterations, a validation step at iterations 2 and 4):
     moe-ep      PP 2 x EP 2 (DP 2)   alltoall    distributed optimizer, expert capacity 1.0
                                                  with padding (token dropping), untied
     moe-pp4     PP 4                 allgather   z-loss, a shared expert, no linear biases
+    moe-edp     PP 2 x DP 2, EP 1    allgather   expert-data-parallel gradients, overlapped
+                                                 reduction, distributed optimizer (v-half)
 
-Each of zb-1p, v-min, v-half, v-zb and auto must give 1f1b's losses, grad norms, validation
-losses and logged MoE metrics (load_balancing_loss, z_loss: megatron's tracker, reduced over
-the pipeline, so both chunks of a V rank count) to 1e-5 relative (fp32); so far they agree to
-the last bit or a few ulps. The aux losses' backward scale (MoEAuxLossAutoScaler) is set by
-megatron's own forward_step, which the V's F passes call for every microbatch as megatron's
-schedules do; a wrong scale would show in the grad norms. Checkpoints saved under a V resume
-under 1f1b and the reverse, with megatron's plain optimizer (moe-pp4) and its distributed
-optimizer (moe-ep). megatron-core's two CPU problems with MoE (``te_general_gemm``, gloo's
-all-to-all split sizes) are patched in support.megatron_lm_cpu, each naming its line.
+Each of zb-1p, v-min, v-half, v-zb and auto (v-half alone for moe-edp) must give 1f1b's losses,
+grad norms, validation losses and logged MoE metrics (load_balancing_loss, z_loss: megatron's
+tracker, reduced over the pipeline, so both chunks of a V rank count) to 1e-5 relative (fp32);
+so far they agree to the last bit or a few ulps. The aux losses' backward scale
+(MoEAuxLossAutoScaler) is set by megatron's own forward_step, which the V's F passes call for
+every microbatch as megatron's schedules do; a wrong scale would show in the grad norms.
+Checkpoints saved under a V resume under 1f1b and the reverse, with megatron's plain optimizer
+(moe-pp4) and its distributed optimizer (moe-ep). megatron-core's two CPU problems with MoE
+(``te_general_gemm``, gloo's all-to-all split sizes) are patched in support.megatron_lm_cpu,
+each naming its line.
 
 Which weights keep their gradient in B is checked in one process on megatron-core alone
 (:func:`test_expert_weight_gradients_run_in_w`, both megatron-core versions).
@@ -35,7 +38,7 @@ importorskip_megatron()
 from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER  # noqa: E402
 from support.megatron_lm_tier import (  # noqa: E402
-    MOE_CASES, assert_same_moe_metrics, assert_same_training, resumed, trained)
+    MOE_CASES, TINY_GPT, assert_same_moe_metrics, assert_same_training, resumed, trained)
 from support.megatron_workers import moe_weight_grads_in_w  # noqa: E402
 
 def _real_loop_or_skip() -> None:
@@ -57,15 +60,26 @@ def runs(tmp_path_factory):
     launcher.close()
 
 
-@pytest.mark.parametrize("case", sorted(MOE_CASES))
-@pytest.mark.parametrize("schedule", ["zb-1p", "v-min", "v-half", "v-zb", "auto"])
-def test_moe_trains_like_1f1b(runs, case, schedule):
+def _assert_trains_like_1f1b(runs, case: str, schedule: str) -> None:
     reference = trained(runs, case, MOE_CASES[case], "1f1b")
     got = trained(runs, case, MOE_CASES[case], schedule)
     assert_same_training(got, reference, f"{case} {schedule}")
     assert_same_moe_metrics(got, reference, f"{case} {schedule}")
     for rank in range(4):
         assert "weight gradients in B" not in got.log(rank), got.log(rank)[-2000:]
+
+
+@pytest.mark.parametrize("case", ["moe-ep", "moe-pp4"])
+@pytest.mark.parametrize("schedule", ["zb-1p", "v-min", "v-half", "v-zb", "auto"])
+def test_moe_trains_like_1f1b(runs, case, schedule):
+    _assert_trains_like_1f1b(runs, case, schedule)
+
+
+def test_expert_data_parallel_gradients_like_1f1b(runs):
+    """EP 1 on PP 2 x DP 2: both data-parallel ranks hold every expert, whose gradients DDP
+    reduces in its expert buckets over the expert-data-parallel group, started from the W
+    passes (--overlap-grad-reduce), with the distributed optimizer."""
+    _assert_trains_like_1f1b(runs, "moe-edp", "v-half")
 
 
 @pytest.mark.parametrize("case,saved_by,resumed_by", [
@@ -80,6 +94,25 @@ def test_moe_checkpoint_resumes_under_another_schedule(runs, case, saved_by, res
     label = f"{case} {saved_by} -> {resumed_by}"
     assert_same_training(got, uninterrupted, label, first=3)
     assert_same_moe_metrics(got, uninterrupted, label, first=3)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ([f for f in MOE_CASES["moe-ep"] if f != "--untie-embeddings-and-output-weights"]
+     + ["--save", "unused"], "add --untie-embeddings-and-output-weights or "
+                             "--no-ckpt-fully-parallel-save"),
+    (MOE_CASES["moe-pp4"] + ["--moe-grouped-gemm"], "drop --moe-grouped-gemm"),
+    (MOE_CASES["moe-pp4"] + ["--mtp-num-layers", "1"], "a third copy of the tied weight"),
+])
+def test_untested_moe_settings_stop_at_parsing(runs, flags, needle):
+    """Through the script's real parse_args: tied embeddings with DP > 1 (here from EP 2) and
+    a checkpoint to save, grouped-GEMM experts and multi-token prediction stop before
+    torch.distributed is initialised, with the way out."""
+    result = runs.attempt(f"bad-{abs(hash(tuple(flags)))}",
+                          TINY_GPT + flags + ["--pipeline-schedule", "v-half"], nproc=4)
+    assert not result.ok
+    log = result.log(0)
+    assert needle in log, log[-2000:]
+    assert "initializing torch distributed" not in log
 
 
 @pytest.mark.megatron_versions

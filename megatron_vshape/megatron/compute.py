@@ -7,6 +7,15 @@ placement). B runs the backward through the engine (outputs are deallocated afte
 ``config.grad_scale_func`` applied to the loss, and leaves a chunk's ``no_sync`` before that
 chunk's last B so DDP reduces its gradients; W runs the chunk's deferred weight gradients. B
 and W run under megatron's ``backward-compute`` timer, as its backward_step does.
+
+MoE: megatron's ``forward_step`` also sets the loss scale of the aux losses' backward
+(``MoEAuxLossAutoScaler.set_loss_scale``; ``MTPLossAutoScaler``'s too) after every microbatch's
+forward, on every stage, as megatron's schedules do. The scale is the same for every
+microbatch of a step (``grad_scale_func(1)`` x CP / microbatches, or ``grad_scale_func(1)``
+per token), so a B that a V runs after a later microbatch's F scales alike. The MoE layers
+record their aux losses in megatron's tracker by global layer number (chunk 1 is built with
+the mirrored pipeline group, so its layers carry stage 2p-1-r's numbers) and Megatron-LM
+reduces the tracker over the pipeline group: both chunks of a V rank are counted, once.
 """
 from __future__ import annotations
 

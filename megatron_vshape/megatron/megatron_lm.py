@@ -128,6 +128,11 @@ def _on(args, *names) -> bool:
     return any(getattr(args, name, None) not in (None, False, 0, "none", [], ()) for name in names)
 
 
+def _moe(args) -> bool:
+    """Whether the model has MoE layers (--num-experts)."""
+    return bool(getattr(args, "num_experts", None))
+
+
 _PIPELINE_REFUSALS = (
     _Refusal(lambda a: getattr(a, "context_parallel_size", 1) > 1,
              "is not tested with context parallelism (megatron's attention needs Transformer "
@@ -204,10 +209,6 @@ _PIPELINE_REFUSALS = (
              "drop it, or use --pipeline-schedule 1f1b"),
 )
 
-
-def _moe(args) -> bool:
-    """Whether the model has MoE layers (--num-experts)."""
-    return bool(getattr(args, "num_experts", None))
 """Refused under every schedule of the plugin (V and zb-1p): what changes how megatron's own
 schedules run passes or their communication, or is untested under the B/W split."""
 
@@ -354,10 +355,11 @@ _IN_B_BY_DESIGN = ("Embedding", "Router")
 """Layer types whose weight gradients stay in B on purpose: embeddings (a sparse, cheap
 gradient) and MoE routers (TopKRouter's hidden x num_experts gate: its gradient GEMM is
 num_experts / (2 x topk x expert FFN size) of the experts' in the same layer, 0.01 % for 8
-experts top-2 of FFN size 14336, and megatron computes it inside its own autograd Function, moe_utils.RouterGatingLinearFunction,
-which the local split does not reach); the LM head (``output_layer``) too
-(wgrad.defer_weight_grads says why). The experts' fc1/fc2 (SequentialMLP, shared experts) are
-megatron's Column/RowParallelLinear and run their weight gradients in W."""
+experts top-2 of FFN size 14336, and megatron computes it inside its own autograd Function,
+moe_utils.RouterGatingLinearFunction, which the local split does not reach); the LM head
+(``output_layer``) too (wgrad.defer_weight_grads says why). The experts' fc1/fc2
+(SequentialMLP, shared experts) are megatron's Column/RowParallelLinear and run their weight
+gradients in W."""
 
 
 def _weights_kept_in_b(chunk, te_modules) -> set:

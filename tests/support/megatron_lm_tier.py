@@ -131,14 +131,20 @@ MOE_CASES = {
     "moe-pp4": ["--pipeline-model-parallel-size", "4", "--moe-token-dispatcher-type",
                 "allgather", "--disable-bias-linear", "--moe-z-loss-coeff", "1e-3",
                 "--moe-shared-expert-intermediate-size", "64"] + _MOE,
+    "moe-edp": ["--pipeline-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                "allgather", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                "--use-distributed-optimizer", "--overlap-grad-reduce",
+                "--overlap-param-gather"] + _MOE,
 }
-"""The MoE tiers' models (4 experts, top-2, load-balancing loss) on top of TINY_GPT: PP 2 x
-EP 2 (DP 2) with the alltoall dispatcher, the distributed optimizer and expert capacity with
-padding (token dropping); PP 4 with the allgather dispatcher, z-loss and a shared expert.
-moe-ep unties the embeddings: with tied ones and DP > 1 megatron's fully parallel save cannot
-save a V (megatron_lm's refusal says why). moe-pp4 has no linear biases: megatron-core 0.16's
-experts add their bias in place to the output of a RowParallelLinear that returns its input
-as a view with EP 1 (core/transformer/mlp.py:247), which autograd refuses under every
+"""The MoE tiers' models (4 experts, top-2, load-balancing loss) on top of TINY_GPT: PP 2 x EP
+2 (DP 2) with the alltoall dispatcher, the distributed optimizer and expert capacity with
+padding (token dropping); PP 4 with the allgather dispatcher, z-loss and a shared expert; PP 2
+x DP 2 with EP 1 (every expert's gradient reduced over the expert-data-parallel group, in DDP's
+expert buckets, overlapped) with the distributed optimizer. moe-ep and moe-edp untie the
+embeddings: with tied ones and DP > 1 megatron's fully parallel save cannot save a V
+(megatron_lm's refusal says why). moe-pp4 and moe-edp have no linear biases: megatron-core
+0.16's experts add their bias in place to the output of a RowParallelLinear that returns its
+input as a view with EP 1 (core/transformer/mlp.py:247), which autograd refuses under every
 schedule, 1f1b included."""
 
 
