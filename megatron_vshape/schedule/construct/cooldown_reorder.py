@@ -15,6 +15,8 @@ Until the first rank reaches its tail every rank runs its order as early as it c
 per slot: that is the order's unit-slot timing (model/indexed.py's dataflow, durations 1, no
 hop), so one timing gives it, and the slot-by-slot walk, on pass ids, starts where the first
 tail does (p = 16, m = 64: at slot 355 of 427; 4.2 -> 3.2 ms per compose).
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 

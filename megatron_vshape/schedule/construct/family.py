@@ -22,6 +22,9 @@ __all__ = ["VOffsets", "v_block", "v_family"]
 F, B = PassKind.F, PassKind.B
 _INTERVAL = 6
 _MAX_OFFSET = 6
+"""The largest down-leg offset k tried: k = 6 moves a pass one whole interval per rank (V-ZB's
+spacing, chunk-0 F at slot 6i), and its block already holds p units, 1F1B's memory (the
+default limit, the top of the frontier); k = 7 holds more (p = 8: 11 units, p = 16: 21)."""
 _GAPS = tuple(sorted(itertools.product(range(1, _INTERVAL + 1), repeat=3), key=sum))
 """Turn gaps (g1, g2, g3) in the order they are tried: smallest sum first, then lexicographic."""
 

@@ -22,6 +22,8 @@ under ``1,-0.75,-0.25``), both from the middle line. Where the tail's W passes a
 for memory (v-zb, small p) the rule loses to the order it starts from: it is the search's last step
 (search/critical_path_step.py), kept only where faster. One line costs 6-13 ms at p = 16, m = 64
 (v-min, v-zb), where one timing takes 1.5 ms.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ chunk-0 gradient; the paper code runs the next chunk-0 F there (rank 0, p = 16: 
 F0.11 B0.0``, where the re-laid order has ``B1.5 B0.0 W1.5 W0.0 F0.11``). At costs 2,2,2 with
 hops that step was what put the reference's search ahead of ours at V-Min's limit (p = 16,
 m = 16/32/64, hop 0.1: 169.0/274.0/483.8 vs 169.4/274.2/484.2; hop 0.5, m = 64: 647.0 vs 649.0).
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 

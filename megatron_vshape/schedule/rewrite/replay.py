@@ -15,6 +15,8 @@ keep their order, so the result lowers to matching sends and receives.
 
 The returned orders are what the simulator then times: the same costs give the same timing,
 so the replay's own makespan stands in for a simulation while the search compares candidates.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 

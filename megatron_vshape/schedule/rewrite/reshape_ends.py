@@ -25,6 +25,8 @@ the peak (the shapes can raise it) and times it (they can deadlock across ranks)
 
 Measured (costs 2,2,2, hop 0.1, p = 8 at 4 units; bubble, the reference's search in brackets):
 m = 16 0.254 -> 0.242 (0.243) with the warm-up; m = 64 0.124 -> 0.117 (0.115) with both.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 

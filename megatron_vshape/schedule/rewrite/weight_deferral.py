@@ -24,6 +24,8 @@ Per rank, in simulated time, with the rank's F and B passes in their given order
 so the backlog of W passes grows in the steady state until the limit stops it, and drains into
 the cool-down's waits. The returned orders keep each stage's microbatch order, so they lower to
 matching sends and receives, and validate like their source.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 

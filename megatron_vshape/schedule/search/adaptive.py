@@ -69,6 +69,8 @@ What the search does not reach (tests/test_search.py says why, with numbers): at
 with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's (at p = 16 and large m
 no schedule can do better, bounds.py); at half of 1F1B's memory with p = 4 nothing can reach
 0.6 x 1F1B's bubble (V-Min's 0.651 x is optimal there).
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 

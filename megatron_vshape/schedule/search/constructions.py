@@ -1,6 +1,8 @@
 """The adaptive search's constructions (adaptive.py's module doc, first rows): the fixed
 blocks, also slot-reordered, the V-ZB wave, the V family blocks that fit and the
 continuous-offset blocks, each a candidate of the pool (pool.py); and the error when none fits.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ __all__ = ["InfeasibleMemoryError", "constructions", "infeasible", "wave_orders"
 
 _FAMILY_BUDGET = 6
 _PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
+"""The continuous-offset blocks' periods, as multiples of a rank's compute per microbatch: a
+longer period holds fewer microbatches in flight, so the five give blocks at several memory
+levels below the tightest one's, and those over the limit drop out. Over p 4 and 8, m 2p and 4p,
+the costs 2,2.78,0.7,0.05 / 1,1.2,0.8,0.1 / 2,2,2,0.1 and the limits V-Min's, V-Half's and 3p/4
+(36 searches) the tightest period alone lost at one point (0.6%); 1.0, 1.2 and 1.5 alone gave
+the same makespans as the five, and 1.75 and 2.0 added nothing."""
 _WAVE_CHEAP_PASSES = 2_000
 """The wave is tried at 1F1B's memory, where it wins (V-ZB), and below it only when it is cheap
 (at most this many passes) or nothing else fits: over p 4-16, m 8 and 32, three cost ratios,

@@ -8,6 +8,8 @@ lines never beat such an order over 108 named builds (p 4-16, m 4p-8p, three cos
 both memory models): it holds p units, so its last chunk-0 forwards come early and its tails
 are long, and there three lines cost 36 ms at p = 16, m = 64 against 12 for one. Below that,
 all three: each wins somewhere.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ period of it, which rarely shortens the makespan (another period still binds), s
 moves stop on a plateau that a move made in every period crosses. At the H100 costs (2, 2.78,
 0.7, hop 0.05) and V-Min's memory, p = 4: m = 16 from 1.219 to 1.196 x 1F1B (a whole-schedule
 CP-SAT run, ours as its hint, finds 1.172 in 90 s), m = 32 from 1.296 to 1.253 x.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
@@ -51,6 +53,12 @@ schedules: hundreds of full timings, many descents) all gaps biggest first, whic
 the better basins at p = 4 (m 8-16: 7 of 9 changed points slower with critical-first)."""
 _WINDOW = 6
 """How many positions a move may reach (improve's default)."""
+_KICKS = 3
+"""Random moves per kick of the iterated search (``_Search.run``): enough to leave a local
+optimum, few enough that the descent after it stays near the best found. Over p 4 and 8, m 2p
+and 4p, the costs 2,2.78,0.7,0.05 / 1,1.2,0.8,0.1 / 2,2,2,0.1 and the limits V-Min's, V-Half's
+and 3p/4 (36 searches) 1 and 6 kicks were each slower at 2 points (by up to 0.4%) and faster at
+none."""
 _PROBE = 64
 """How many passes the deadlock check (``_Search._deadlocks``) visits before it gives up and
 leaves the move to a timing: at the H100 costs it settles 97-100% of the deadlocked single
@@ -346,7 +354,7 @@ class _Search:
 
 def improve(placement: Placement, microbatches: int, orders, costs: Costs, cap: float,
             memory: MemoryModel = MemoryModel(), budget: int = 200_000,
-            window: int = _WINDOW, kicks: int = 3) -> Improved:
+            window: int = _WINDOW, kicks: int = _KICKS) -> Improved:
     """Orders at least as fast as ``orders`` (module doc), every rank within ``cap``
     chunk-activations (the input orders must be within it too)."""
     search = _started(placement, microbatches, orders, costs, cap, memory, window)

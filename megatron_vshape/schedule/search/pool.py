@@ -4,6 +4,8 @@ Every step of the search (constructions.py, improvements.py) adds candidates to 
 :class:`Pool`; the pool times each (or takes the timing a replay or the local search made),
 keeps it when it fits the limit, and ranks them: the smallest makespan first, then the least
 memory, then the order they were built in, so the search's answer is deterministic.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
