@@ -21,8 +21,8 @@ def elsewhere(tmp_path, monkeypatch):
 
 
 def test_every_kind_has_its_bundled_files():
-    assert config_names("models") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b", "small",
-                                      "tiny")
+    assert config_names("models") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b",
+                                      "moe-64e-top6", "moe-8x7b", "small", "tiny")
     assert config_names("grid") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b")
     assert config_names("profiles") == ("cpu-small", "cpu-tiny")
     assert set(KINDS) == {"models", "grid", "profiles"}

@@ -105,3 +105,25 @@ def test_plan_prints_the_flags_of_its_best_rows(capsys):
     assert main(["plan", "--model", "gpt-9.6b", "--gpus", "8", "--gpu-memory", "80",
                  "--flags", "-1"]) == 2
     assert "--flags must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (MEGATRON_LM / "megatron" / "training" / "arguments.py").is_file(),
+                    reason="Megatron-LM's training code is not beside the checkout")
+def test_megatron_lms_parser_accepts_a_moe_row():
+    space = SearchSpace(schedules=("v-half",), micro_batch_sizes=(1,), recompute=("none",),
+                        pipeline_parallel=(2,), expert_parallel=(4,))
+    moe = plan(load_model_config("moe-64e-top6"), TrainingConfig(4096, 64),
+               ClusterConfig(16, 80.0), space)
+    row = moe.feasible[0]
+    keys = ["num_experts", "moe_router_topk", "moe_ffn_hidden_size", "expert_model_parallel_size",
+            "expert_tensor_parallel_size", "moe_token_dispatcher_type", "pipeline_schedule",
+            "moe_shared_expert_intermediate_size"]
+    argv = shared_flags(moe) + row_flags(row, moe)
+    done = subprocess.run([sys.executable, "-c", _PARSE, json.dumps(argv), json.dumps(keys)],
+                          env=megatron_lm_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parsed == {"num_experts": 64, "moe_router_topk": 6, "moe_ffn_hidden_size": 1408,
+                      "expert_model_parallel_size": 4, "expert_tensor_parallel_size": 1,
+                      "moe_token_dispatcher_type": "alltoall", "pipeline_schedule": "v-half",
+                      "moe_shared_expert_intermediate_size": 2816}

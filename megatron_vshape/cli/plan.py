@@ -55,6 +55,9 @@ def register(sub) -> None:
                    metavar="B", help="micro batch sizes to try (1 2 4 8)")
     p.add_argument("--tp", type=int, nargs="+", metavar="T", help="TP sizes to try (default: all valid)")
     p.add_argument("--pp", type=int, nargs="+", metavar="P", help="PP sizes to try (default: all valid)")
+    p.add_argument("--ep", type=int, nargs="+", metavar="E",
+                   help="expert-parallel sizes to try for a MoE model (default: every divisor "
+                        "of its experts; each point keeps those dividing its DP x TP)")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
                    metavar="NAME", help=f"pipeline schedules ({', '.join(SCHEDULES)}; default all)")
     p.add_argument("--auto-candidates", type=int, default=SearchSpace().auto_candidates,
@@ -150,6 +153,7 @@ def _configs(args):
                         micro_batch_sizes=tuple(args.micro_batch_sizes),
                         tensor_parallel=tuple(args.tp) if args.tp else None,
                         pipeline_parallel=tuple(args.pp) if args.pp else None,
+                        expert_parallel=tuple(args.ep) if args.ep else None,
                         auto_candidates=args.auto_candidates,
                         recompute=tuple(args.recompute))
     if args.top < 1:

@@ -1,9 +1,11 @@
-"""Which (DP, TP, PP, micro batch size) points a plan considers.
+"""Which (DP, TP, PP, EP, micro batch size) points a plan considers.
 
-TP stays inside a node (it divides the GPUs per node) and must divide the attention heads (and query groups); PP must leave
-every pipeline stage a layer; DP is what is left of the GPUs. A point runs
-global_batch / (DP x micro batch size) microbatches, and is skipped (and counted) when that is
-not a whole number.
+TP stays inside a node (it divides the GPUs per node) and must divide the attention heads (and
+query groups); PP must leave every pipeline stage a layer; DP is what is left of the GPUs. A
+point runs global_batch / (DP x micro batch size) microbatches, and is skipped (and counted)
+when that is not a whole number. MoE models add expert parallelism (EP): the routed experts are
+split over EP ranks taken from the DP x TP ranks of a pipeline stage (expert tensor parallel 1,
+megatron-core's ``--expert-tensor-parallel-size 1``), so EP divides the experts and DP x TP.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from .recompute import RECOMPUTE
 from .settings import ClusterConfig, TrainingConfig
 
 __all__ = ["SearchSpace", "GridPoint", "tensor_parallel_choices", "pipeline_parallel_choices",
-           "grid_points", "NO_PIPELINE"]
+           "expert_parallel_choices", "grid_points", "NO_PIPELINE"]
 
 NO_PIPELINE = "none"
 """The schedule name of PP = 1 rows: gradient accumulation over the microbatches, no pipeline."""
@@ -49,6 +51,8 @@ class SearchSpace:
     recompute: tuple[str, ...] = RECOMPUTE
     """Activation recomputation kinds to plan (``--recompute``; which schedules take which:
     plan/recompute.py)."""
+    expert_parallel: tuple[int, ...] | None = None
+    """EP sizes for MoE models (``--ep``); None: every valid one (1 for dense models)."""
 
     def __post_init__(self) -> None:
         bad = [r for r in self.recompute if r not in RECOMPUTE]
@@ -65,6 +69,7 @@ class SearchSpace:
                            _ints(self.micro_batch_sizes, "--micro-batch-sizes"))
         object.__setattr__(self, "tensor_parallel", _ints(self.tensor_parallel, "--tp"))
         object.__setattr__(self, "pipeline_parallel", _ints(self.pipeline_parallel, "--pp"))
+        object.__setattr__(self, "expert_parallel", _ints(self.expert_parallel, "--ep"))
         if not isinstance(self.auto_candidates, int) or self.auto_candidates < 0:
             raise ValueError(f"--auto-candidates must be an integer >= 0, got "
                              f"{self.auto_candidates!r}")
@@ -79,6 +84,8 @@ class GridPoint:
     pp: int
     micro_batch_size: int
     microbatches: int
+    ep: int = 1
+    """Expert-parallel ranks (MoE; 1 for dense models)."""
 
 
 def tensor_parallel_choices(model: ModelConfig, cluster: ClusterConfig,
@@ -102,6 +109,16 @@ def pipeline_parallel_choices(model: ModelConfig, cluster: ClusterConfig,
                    f"exceed the {model.num_layers} layers)")
 
 
+def expert_parallel_choices(model: ModelConfig, space: SearchSpace) -> tuple[int, ...]:
+    """EP sizes to try: divisors of the expert count (only 1 for a dense model); each point
+    keeps those that also divide its DP x TP."""
+    valid = tuple(e for e in range(1, (model.num_experts or 1) + 1)
+                  if (model.num_experts or 1) % e == 0)
+    why = (f"for {model.name} ({model.num_experts} experts: EP must divide them)" if model.moe
+           else f"for {model.name}, a dense model (EP applies to MoE models only)")
+    return _chosen(space.expert_parallel, valid, "--ep", why)
+
+
 def _chosen(given, valid: tuple[int, ...], flag: str, why: str) -> tuple[int, ...]:
     """The user's choices (every valid one when none were given), refusing invalid ones."""
     if given is None:
@@ -117,14 +134,20 @@ def grid_points(model: ModelConfig, training: TrainingConfig, cluster: ClusterCo
                 space: SearchSpace) -> tuple[list[GridPoint], Counter]:
     """Every point whose microbatch count is whole, and how many were skipped, by reason."""
     points, skipped = [], Counter()
+    eps = expert_parallel_choices(model, space)
     for tp in tensor_parallel_choices(model, cluster, space):
         for pp in pipeline_parallel_choices(model, cluster, space):
             if cluster.gpus % (tp * pp):
                 continue
             dp = cluster.gpus // (tp * pp)
-            for b in space.micro_batch_sizes:
-                if training.global_batch % (dp * b):
-                    skipped["global batch not divisible by DP x micro batch size"] += 1
+            for ep in eps:
+                if (dp * tp) % ep:
+                    skipped["EP does not divide DP x TP"] += 1
                     continue
-                points.append(GridPoint(dp, tp, pp, b, training.global_batch // (dp * b)))
+                for b in space.micro_batch_sizes:
+                    if training.global_batch % (dp * b):
+                        skipped["global batch not divisible by DP x micro batch size"] += 1
+                        continue
+                    points.append(GridPoint(dp, tp, pp, b, training.global_batch // (dp * b),
+                                            ep))
     return points, skipped

@@ -73,11 +73,17 @@ class PartTimes:
 
 
 def layer_flops(model: ModelConfig, seq_length: int, micro_batch_size: int) -> tuple[float, float]:
-    """(linear, attention-core) forward FLOPs of one layer, one microbatch, no TP."""
+    """(linear, attention-core) forward FLOPs of one layer, one microbatch, no TP. A MoE layer
+    counts what a token runs: the router, its k experts and the shared experts."""
     s, b, h, f = seq_length, micro_batch_size, model.hidden_size, model.ffn
     kv = 2 * model.query_groups * model.head_dim
-    mlp_in = 2 * f if model.swiglu else f
-    linear = 2 * s * b * h * ((h + kv) + h + mlp_in + f)
+    wide = 2 if model.swiglu else 1
+    if model.moe:
+        fe, fs = model.expert_ffn, model.shared_ffn
+        mlp = model.num_experts + model.moe_router_topk * (wide * fe + fe) + wide * fs + fs
+    else:
+        mlp = wide * f + f
+    linear = 2 * s * b * h * ((h + kv) + h + mlp)
     return linear, 4 * b * s * s * h
 
 
@@ -102,12 +108,12 @@ def _tp_collective(training: TrainingConfig, cluster: ClusterConfig, tp: int,
 
 
 def analytic_times(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
-                   tp: int, micro_batch_size: int) -> PartTimes:
+                   tp: int, micro_batch_size: int, ep: int = 1) -> PartTimes:
     """Pass times without a measured profile: the shape model (``cluster.cost_model ==
     "shapes"``, :mod:`.layer_kernels`) or the one-MFU FLOP model of the module docstring."""
     if cluster.cost_model == "mfu":
         return mfu_times(model, training, cluster, tp, micro_batch_size)
-    kernels = part_kernels(model, training, cluster, tp, micro_batch_size)
+    kernels = part_kernels(model, training, cluster, tp, micro_batch_size, ep)
     gpu = kernels.gpu
 
     def passes(part) -> PassTimes:
@@ -145,12 +151,12 @@ def attention_share(model: ModelConfig, seq_length: int) -> float:
 
 
 def replay_share(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig, tp: int,
-                 micro_batch_size: int) -> float:
+                 micro_batch_size: int, ep: int = 1) -> float:
     """The attention core's share of a layer's forward time: what selective recomputation adds
     to B (its FLOP share under the one-MFU model, its kernels' time under the shape model)."""
     if cluster.cost_model == "mfu":
         return attention_share(model, training.seq_length)
-    kernels = part_kernels(model, training, cluster, tp, micro_batch_size)
+    kernels = part_kernels(model, training, cluster, tp, micro_batch_size, ep)
     return sum(k.seconds for k in kernels.attention_core) / kernels.layer.seconds("forward")
 
 

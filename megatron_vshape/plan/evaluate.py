@@ -110,22 +110,23 @@ class Evaluator:
         self._analytic_times: dict = {}
 
     # -- the parts ---------------------------------------------------------------------------
-    def _analytic(self, tp: int, micro_batch_size: int) -> PartTimes:
+    def _analytic(self, tp: int, micro_batch_size: int, ep: int = 1) -> PartTimes:
         """The cost model's times (cached: the shape model times every kernel)."""
-        key = (tp, micro_batch_size)
+        key = (tp, micro_batch_size, ep)
         if key not in self._analytic_times:
             self._analytic_times[key] = analytic_times(self.model, self.training, self.cluster,
-                                                       tp, micro_batch_size)
+                                                       tp, micro_batch_size, ep)
         return self._analytic_times[key]
 
-    def times(self, tp: int, micro_batch_size: int, recompute: str = "none") -> PartTimes:
-        analytic = self._analytic(tp, micro_batch_size)
-        times = analytic if self.profile is None else \
-            self.profile.times(tp, micro_batch_size, analytic, self._analytic)
+    def times(self, tp: int, micro_batch_size: int, recompute: str = "none",
+              ep: int = 1) -> PartTimes:
+        analytic = self._analytic(tp, micro_batch_size, ep)
+        times = analytic if self.profile is None else self.profile.times(
+            tp, micro_batch_size, analytic, lambda t, b: self._analytic(t, b, ep))
         if recompute != "selective":
             return with_recompute(times, recompute, 0.0)
         return with_recompute(times, recompute, replay_share(
-            self.model, self.training, self.cluster, tp, micro_batch_size))
+            self.model, self.training, self.cluster, tp, micro_batch_size, ep))
 
     def hop(self, point: GridPoint) -> float:
         if self.profile is not None and self.profile.p2p_seconds is not None and point.pp > 1:
@@ -171,8 +172,8 @@ class Evaluator:
                                      point.micro_batch_size).layer
             sizes = dataclasses.replace(sizes, wgrad=leftover * whole)
         chunks = tuple(tuple(chunk_bytes(c, sizes) for c in rank) for rank in shares)
-        static = tuple(static_memory(self.model, self.training, rank, point.tp, point.dp, single)
-                       for rank in shares)
+        static = tuple(static_memory(self.model, self.training, rank, point.tp, point.dp, single,
+                                     point.ep) for rank in shares)
         return _Rank(chunks, static, shares)
 
     # -- one configuration --------------------------------------------------------------------
@@ -181,9 +182,9 @@ class Evaluator:
         ``recompute`` (none, selective, full)."""
         if point.pp == 1:
             return self._no_pipeline(point, ParallelLayout(
-                point.dp, point.tp, 1, point.micro_batch_size, NO_PIPELINE, recompute))
+                point.dp, point.tp, 1, point.micro_batch_size, NO_PIPELINE, recompute, point.ep))
         layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, name,
-                                recompute)
+                                recompute, point.ep)
         probe = self.schedule(name, point.pp, min(point.microbatches, _PROBE * point.pp))
         if isinstance(probe, ScheduleError):
             return Prediction(layout, point.microbatches, False, str(probe), "schedule")
@@ -205,13 +206,15 @@ class Evaluator:
 
     def evaluate_auto(self, point: GridPoint) -> Prediction:
         """``auto``: the fastest V schedule under the memory the tightest rank has left."""
-        layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, "auto")
+        layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, "auto",
+                                ep=point.ep)
         try:
             shares = rank_shares(self.model, Placement(point.pp, StageLayout.V))
         except ValueError as err:
             return Prediction(layout, point.microbatches, False, str(err), "layers")
         ranks = self._ranks(point, shares, single=False)
-        costs = rank_costs(shares, self.times(point.tp, point.micro_batch_size), self.hop(point))
+        costs = rank_costs(shares, self.times(point.tp, point.micro_batch_size, ep=point.ep),
+                           self.hop(point))
         free = [self.cluster.budget_bytes - s.total for s in ranks.static]
         if min(free) <= 0:
             return self._memory_failure(point, layout, ranks, (0.0,) * point.pp,
@@ -280,11 +283,16 @@ class Evaluator:
             return self._memory_failure(point, layout, ranks, peaks,
                                         "parameters, optimizer state and activations")
         r = max(range(len(totals)), key=totals.__getitem__)
-        times = self.times(point.tp, point.micro_batch_size, layout.recompute)
+        times = self.times(point.tp, point.micro_batch_size, layout.recompute, point.ep)
         hop = self.hop(point)
         makespan, bubble = run(rank_costs(ranks.shares, times, hop))
-        params = max(s.parameters for s in ranks.static)
-        exposed = dp_seconds(self.training, self.cluster, params, point.tp, point.dp)
+        fullest = max(ranks.static, key=lambda s: s.parameters)
+        # dense parameters reduce over DP, routed experts over DP x TP / EP ranks
+        exposed = dp_seconds(self.training, self.cluster,
+                             fullest.parameters - fullest.expert_parameters, point.tp, point.dp)
+        if fullest.expert_parameters:
+            exposed += dp_seconds(self.training, self.cluster, fullest.expert_parameters,
+                                  point.ep, point.dp * point.tp // point.ep)
         iteration = makespan + exposed
         tokens = self.training.global_batch * self.training.seq_length
         flops = model_flops_per_sample(self.model, self.training.seq_length)

@@ -52,6 +52,9 @@ def row_flags(row: Prediction, result: PlanResult) -> list[str]:
              "--micro-batch-size", str(lay.micro_batch_size)]
     if lay.tp > 1 and result.training.sequence_parallel:
         flags.append("--sequence-parallel")
+    if result.model.moe:  # as the planner models it: experts split over EP only
+        flags += ["--expert-model-parallel-size", str(lay.ep), "--expert-tensor-parallel-size",
+                  "1", "--moe-token-dispatcher-type", "alltoall"]
     if lay.schedule != NO_PIPELINE:
         flags += ["--pipeline-schedule", lay.schedule]
     if lay.schedule == "interleaved-1f1b":

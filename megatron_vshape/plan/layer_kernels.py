@@ -77,18 +77,36 @@ class _Shape:
     flash: bool
     dropout: bool
     swiglu: bool
+    moe: _Experts | None
 
 
-def _shape(model: ModelConfig, training: TrainingConfig, tp: int, micro_batch: int) -> _Shape:
+@dataclass(frozen=True)
+class _Experts:
+    """A MoE layer's MLP on one rank (expert tensor parallel 1)."""
+
+    experts: int         # routed experts in all
+    local: int           # routed experts on this rank (experts / EP)
+    routed: int          # token copies this rank's experts process (its tokens x top-k)
+    fc1: int             # one expert's first-linear width (2 f_e with SwiGLU)
+    ffn: int             # f_e
+    ep: int
+
+
+def _shape(model: ModelConfig, training: TrainingConfig, tp: int, micro_batch: int,
+           ep: int) -> _Shape:
     s, h, d = training.seq_length, model.hidden_size, model.head_dim
     tokens = s * micro_batch
-    sp = training.sequence_parallel and tp > 1
-    return _Shape(tokens, tokens // tp if sp else tokens, h,
-                  (h + 2 * model.query_groups * d) // tp,
-                  (2 if model.swiglu else 1) * model.ffn // tp, model.ffn // tp,
+    sp_tokens = tokens // tp if training.sequence_parallel and tp > 1 else tokens
+    wide = 2 if model.swiglu else 1
+    # a MoE layer's dense MLP part is its shared experts (width 0: none)
+    ffn = (model.shared_ffn if model.moe else model.ffn) // tp
+    experts = _Experts(model.num_experts, model.num_experts // ep,
+                       sp_tokens * model.moe_router_topk, wide * model.expert_ffn,
+                       model.expert_ffn, ep) if model.moe else None
+    return _Shape(tokens, sp_tokens, h, (h + 2 * model.query_groups * d) // tp, wide * ffn, ffn,
                   micro_batch * model.num_attention_heads // tp, s, d, model.vocab_size // tp,
                   training.element_bytes, not training.fp32_softmax_copy,
-                  training.flash_attention, training.dropout, model.swiglu)
+                  training.flash_attention, training.dropout, model.swiglu, experts)
 
 
 def _collective(name: str, x: _Shape, tp: int, cluster: ClusterConfig,
@@ -165,48 +183,132 @@ def _activation(x: _Shape, gpu: GpuSpec, backward: bool) -> list[Kernel]:
 
 
 def _layer(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) -> PassKernels:
+    attention = _attention_half(x, tp, cluster, gpu)
+    mlp = _dense_mlp(x, tp, cluster, gpu) if x.ffn else PassKernels((), (), ())
+    if x.moe is not None:
+        routed = _routed_experts(x, x.moe, cluster, gpu)
+        mlp = PassKernels(routed.forward + mlp.forward, mlp.backward + routed.backward,
+                          routed.weight + mlp.weight)
+    e, t, h = x.e, x.tokens, x.hidden
+    norm = 2 * e * x.sp_tokens * h
+    mlp_forward = (streaming("layernorm", norm, gpu),) + mlp.forward + tuple(
+        _residual(x, gpu, False))
+    mlp_backward = (tuple(_residual(x, gpu, True)) + mlp.backward
+                    + (streaming("layernorm backward", 1.5 * norm, gpu),))
+    # B sums each linear's output gradient into its bias gradient (the runtime's B/W split,
+    # megatron_vshape/megatron/wgrad.py, keeps biases in B); routed experts have no biases
+    biases = streaming("bias gradients", e * t * (x.qkv + x.fc1) + e * t * h
+                       + (e * t * h if x.ffn else 0), gpu)
+    return PassKernels(attention.forward + mlp_forward,
+                       mlp_backward + attention.backward + (biases,),
+                       attention.weight + mlp.weight)
+
+
+def _gathered(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec,
+              kind: str) -> list[Kernel]:
+    """The TP collective before a column-parallel linear (``gather``) or after a row-parallel
+    one (``scatter``): an all-gather / reduce-scatter under sequence parallel, else nothing /
+    an all-reduce (two hops)."""
+    sp = x.sp_tokens < x.tokens
+    if kind == "gather":
+        return _tp(("all-gather",) if sp else (), x, tp, cluster, gpu)
+    return _tp(("reduce-scatter",) if sp else ("all-reduce",) * 2, x, tp, cluster, gpu)
+
+
+def _attention_half(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) -> PassKernels:
+    """Layernorm, QKV, the attention core, the projection and its residual; W: their weights
+    (re-gathering the QKV input under sequence parallel)."""
     t, e, h = x.tokens, x.e, x.hidden
     norm = 2 * e * x.sp_tokens * h
-    gather, scatter = ("all-gather", "reduce-scatter") if x.sp_tokens < t else \
-        ("(identity)", "all-reduce")
     qkv_bias = [] if x.fused else [streaming("qkv bias add", 2 * e * t * x.qkv, gpu)]
-    forward = ([streaming("layernorm", norm, gpu)]
-               + _tp((gather,) if x.sp_tokens < t else (), x, tp, cluster, gpu)
-               + [gemm("QKV GEMM", t, x.qkv, h, gpu, e)] + qkv_bias
-               + _attention(x, gpu, False)
+    forward = ([streaming("layernorm", norm, gpu)] + _gathered(x, tp, cluster, gpu, "gather")
+               + [gemm("QKV GEMM", t, x.qkv, h, gpu, e)] + qkv_bias + _attention(x, gpu, False)
                + [gemm("projection GEMM", t, h, h // tp, gpu, e)]
-               + _tp((scatter,) * (1 if x.sp_tokens < t else 2), x, tp, cluster, gpu)
-               + _residual(x, gpu, False) + [streaming("layernorm", norm, gpu)]
-               + _tp((gather,) if x.sp_tokens < t else (), x, tp, cluster, gpu)
-               + [gemm("FC1 GEMM", t, x.fc1, h, gpu, e)] + _activation(x, gpu, False)
-               + [gemm("FC2 GEMM", t, h, x.ffn, gpu, e)]
-               + _tp((scatter,) * (1 if x.sp_tokens < t else 2), x, tp, cluster, gpu)
-               + _residual(x, gpu, False))
-    backward = (_residual(x, gpu, True)
-                + _tp((gather,) if x.sp_tokens < t else (), x, tp, cluster, gpu)
-                + [gemm("FC2 input gradient", t, x.ffn, h, gpu, e)]
-                + _activation(x, gpu, True)
-                + [gemm("FC1 input gradient", t, h, x.fc1, gpu, e)]
-                + _tp((scatter,) * (1 if x.sp_tokens < t else 2), x, tp, cluster, gpu)
-                + [streaming("layernorm backward", 1.5 * norm, gpu)]
-                + _residual(x, gpu, True)
-                + _tp((gather,) if x.sp_tokens < t else (), x, tp, cluster, gpu)
+               + _gathered(x, tp, cluster, gpu, "scatter") + _residual(x, gpu, False))
+    backward = (_residual(x, gpu, True) + _gathered(x, tp, cluster, gpu, "gather")
                 + [gemm("projection input gradient", t, h // tp, h, gpu, e)]
-                + _attention(x, gpu, True)
-                + [gemm("QKV input gradient", t, h, x.qkv, gpu, e)]
-                + _tp((scatter,) * (1 if x.sp_tokens < t else 2), x, tp, cluster, gpu)
-                + [streaming("layernorm backward", 1.5 * norm, gpu),
-                   # B sums each linear's output gradient into its bias gradient (the runtime's
-                   # B/W split, megatron_vshape/megatron/wgrad.py, keeps biases in B)
-                   streaming("bias gradients", e * t * (x.qkv + x.fc1) + 2 * e * t * h, gpu)])
-    # W: the column-parallel linears' inputs are gathered again under sequence parallel
-    main_grad = 4 + 4 if e == 2 else None  # the fp32 main gradient, read and written
-    weight = (_tp(("all-gather (W input)",) * 2 if x.sp_tokens < t else (), x, tp, cluster, gpu)
+                + _attention(x, gpu, True) + [gemm("QKV input gradient", t, h, x.qkv, gpu, e)]
+                + _gathered(x, tp, cluster, gpu, "scatter")
+                + [streaming("layernorm backward", 1.5 * norm, gpu)])
+    main_grad = 8 if e == 2 else None  # the fp32 main gradient, read and written
+    sp_gather = ("all-gather (W input)",) if x.sp_tokens < t else ()
+    weight = (_tp(sp_gather, x, tp, cluster, gpu)
               + [gemm("QKV weight gradient", x.qkv, h, t, gpu, e, output_bytes=main_grad),
                  gemm("projection weight gradient", h, h // tp, t, gpu, e,
-                      output_bytes=main_grad),
-                 gemm("FC1 weight gradient", x.fc1, h, t, gpu, e, output_bytes=main_grad),
+                      output_bytes=main_grad)])
+    return PassKernels(tuple(forward), tuple(backward), tuple(weight))
+
+
+def _dense_mlp(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) -> PassKernels:
+    """FC1, the activation, FC2 (a MoE layer's shared experts), with their TP collectives."""
+    t, e, h = x.tokens, x.e, x.hidden
+    forward = (_gathered(x, tp, cluster, gpu, "gather")
+               + [gemm("FC1 GEMM", t, x.fc1, h, gpu, e)] + _activation(x, gpu, False)
+               + [gemm("FC2 GEMM", t, h, x.ffn, gpu, e)]
+               + _gathered(x, tp, cluster, gpu, "scatter"))
+    backward = (_gathered(x, tp, cluster, gpu, "gather")
+                + [gemm("FC2 input gradient", t, x.ffn, h, gpu, e)] + _activation(x, gpu, True)
+                + [gemm("FC1 input gradient", t, h, x.fc1, gpu, e)]
+                + _gathered(x, tp, cluster, gpu, "scatter"))
+    main_grad = 8 if e == 2 else None
+    sp_gather = ("all-gather (W input)",) if x.sp_tokens < t else ()
+    weight = (_tp(sp_gather, x, tp, cluster, gpu)
+              + [gemm("FC1 weight gradient", x.fc1, h, t, gpu, e, output_bytes=main_grad),
                  gemm("FC2 weight gradient", h, x.ffn, t, gpu, e, output_bytes=main_grad)])
+    return PassKernels(tuple(forward), tuple(backward), tuple(weight))
+
+
+def _all_to_all(name: str, x: _Shape, moe: _Experts, cluster: ClusterConfig,
+                gpu: GpuSpec) -> list[Kernel]:
+    """One token dispatch or combine over the EP ranks: each rank sends (EP-1)/EP of its
+    routed copies, over NVLink inside a node, else over the inter-node links."""
+    if moe.ep == 1:
+        return []
+    moved = (moe.ep - 1) / moe.ep * x.e * moe.routed * x.hidden
+    bandwidth = cluster.inter_node_gbps if moe.ep > cluster.gpus_per_node else \
+        cluster.intra_node_gbps
+    return [Kernel(name, 0.0, moved, moved / (bandwidth * 1e9) + gpu.kernel_overhead_us * 1e-6,
+                   "memory")]
+
+
+def _routed_experts(x: _Shape, moe: _Experts, cluster: ClusterConfig,
+                    gpu: GpuSpec) -> PassKernels:
+    """Router, permutation, all-to-all dispatch, the local experts' GEMMs (grouped: one
+    product per expert, its share of the routed copies as rows), all-to-all combine and the
+    weighted un-permutation. Routing is taken as balanced."""
+    e, h = x.e, x.hidden
+    rows = max(1, -(-moe.routed // moe.local))  # copies per local expert
+    scores = 4 * x.sp_tokens * moe.experts       # fp32 router logits
+    copies = e * moe.routed * h
+    swiglu = "swiglu" if x.swiglu else "gelu"
+    forward = ([gemm("router GEMM", x.sp_tokens, moe.experts, h, gpu, e),
+                streaming("router softmax and top-k (fp32)", 3 * scores, gpu),
+                streaming("token permutation", 2 * copies, gpu)]
+               + _all_to_all("all-to-all dispatch", x, moe, cluster, gpu)
+               + [gemm("expert FC1 GEMMs", rows, moe.fc1, h, gpu, e, batch=moe.local),
+                  streaming(f"expert {swiglu}", e * moe.routed * (moe.fc1 + moe.ffn), gpu),
+                  gemm("expert FC2 GEMMs", rows, h, moe.ffn, gpu, e, batch=moe.local)]
+               + _all_to_all("all-to-all combine", x, moe, cluster, gpu)
+               + [streaming("un-permutation and weighting", 3 * copies, gpu)])
+    backward = ([streaming("un-permutation backward", 3 * copies, gpu)]
+                + _all_to_all("all-to-all (combine backward)", x, moe, cluster, gpu)
+                + [gemm("expert FC2 input gradients", rows, moe.ffn, h, gpu, e,
+                        batch=moe.local),
+                   streaming(f"expert {swiglu} backward", e * moe.routed * (2 * moe.fc1
+                                                                          + moe.ffn), gpu),
+                   gemm("expert FC1 input gradients", rows, h, moe.fc1, gpu, e,
+                        batch=moe.local)]
+                + _all_to_all("all-to-all (dispatch backward)", x, moe, cluster, gpu)
+                + [streaming("permutation backward", 2 * copies, gpu),
+                   streaming("router softmax backward", 3 * scores, gpu),
+                   gemm("router input gradient", x.sp_tokens, h, moe.experts, gpu, e)])
+    main_grad = 8 if e == 2 else None
+    weight = [gemm("expert FC1 weight gradients", moe.fc1, h, rows, gpu, e, batch=moe.local,
+                   output_bytes=main_grad),
+              gemm("expert FC2 weight gradients", h, moe.ffn, rows, gpu, e, batch=moe.local,
+                   output_bytes=main_grad),
+              gemm("router weight gradient", moe.experts, h, x.sp_tokens, gpu, e,
+                   output_bytes=main_grad)]
     return PassKernels(tuple(forward), tuple(backward), tuple(weight))
 
 
@@ -244,9 +346,10 @@ def _embedding(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) -> Pass
 
 
 def part_kernels(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig, tp: int,
-                 micro_batch_size: int) -> PartKernels:
-    """The kernels of one microbatch's passes on one TP rank of ``tp``."""
+                 micro_batch_size: int, ep: int = 1) -> PartKernels:
+    """The kernels of one microbatch's passes on one TP rank of ``tp`` (a MoE model's experts
+    over ``ep`` ranks)."""
     gpu = cluster.gpu
-    x = _shape(model, training, tp, micro_batch_size)
+    x = _shape(model, training, tp, micro_batch_size, ep)
     return PartKernels(_layer(x, tp, cluster, gpu), _head(x, tp, cluster, gpu),
                        _embedding(x, tp, cluster, gpu), tuple(_attention(x, gpu, False)), gpu)

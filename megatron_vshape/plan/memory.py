@@ -16,7 +16,9 @@ h hidden, f MLP width, a heads, e bytes per element, TP t, sp = t with sequence 
                       output, TrainingConfig.fp32_softmax_copy)
 
 which is sbh(34 + 5as/h)/t in bf16 with f = 4h, dropout, sequence parallel and no flash
-attention. Stage 0 adds the token and position ids (and the embedding dropout mask); the last
+attention. A MoE layer replaces the MLP terms (:func:`_mlp_bytes`): per token of the rank, k
+routed copies of the expert input, first-linear output and second-linear input, the router's
+fp32 logits and probabilities, and the shared experts as a dense MLP. Stage 0 adds the token and position ids (and the embedding dropout mask); the last
 stage the final layernorm and LM head inputs and the loss's fp32 softmax, 4 sbV/t bytes.
 
 With a B/W split (paper, section 2) W needs each linear layer's input and output gradient:
@@ -36,7 +38,7 @@ and the transient vanishes).
 
 Parameters: mixed-precision Adam needs 2 (bf16 weight) + 4 (fp32 main gradient) + 12 (fp32
 master weight and two moments) bytes per parameter; the distributed optimizer divides the 12
-by DP. Column- and row-parallel matrices, column biases and the vocabulary are divided by TP;
+by DP (a MoE model's routed experts: by DP x TP / EP, their expert-data-parallel group). Column- and row-parallel matrices, column biases and the vocabulary are divided by TP;
 layernorms, row-parallel biases and position embeddings are replicated.
 """
 from __future__ import annotations
@@ -92,14 +94,54 @@ class StaticMemory:
     """Bytes that do not depend on the schedule, on one rank."""
 
     parameters: float
-    """Parameters held (count, not bytes)."""
+    """Parameters held (count, not bytes), routed experts included."""
     weights: float
     gradients: float
     optimizer: float
+    expert_parameters: float = 0.0
+    """Of ``parameters``, the routed experts' (reduced over the expert-data-parallel group)."""
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer
+
+
+@dataclass(frozen=True)
+class _MlpBytes:
+    """What one layer's MLP keeps, per microbatch on one rank (dense or MoE)."""
+
+    kept: float
+    """From F to B, beyond the MLP input (counted with the layernorms)."""
+    activation_input: float
+    """The activation function's input (selective recomputation frees it early)."""
+    w_inputs: float
+    """What W needs besides the first linear's input: the second linear's input."""
+    output_grads: float
+    """The linears' output gradients W needs."""
+
+
+def _mlp_bytes(model: ModelConfig, training: TrainingConfig, tokens: int, tp: int,
+               sp: int) -> _MlpBytes:
+    """Dense: the first linear's output and the second's input, split by TP. MoE (expert
+    tensor parallel 1): each of the s b / sp tokens of this rank is routed to k experts, whose
+    inputs, first-linear outputs and second-linear inputs are kept per copy (balanced routing
+    brings as many tokens to a rank's experts as it sends), plus the router's fp32 logits and
+    probabilities; shared experts are a dense MLP of their width, split by TP."""
+    e, h = training.element_bytes, model.hidden_size
+    wide = 2 if model.swiglu else 1
+    if not model.moe:
+        f = model.ffn
+        return _MlpBytes(e * tokens * (wide * f + f) / tp, e * tokens * wide * f / tp,
+                         e * tokens * f / tp, e * tokens * (wide * f / tp + h))
+    routed = tokens / sp * model.moe_router_topk
+    fe, fs = model.expert_ffn, model.shared_ffn
+    router = 4 * tokens / sp * model.num_experts
+    shared = e * tokens * (wide * fs + fs) / tp
+    return _MlpBytes(
+        e * routed * (h + wide * fe + fe) + 2 * router + shared,
+        e * routed * wide * fe + e * tokens * wide * fs / tp,
+        e * routed * (h + fe) + e * tokens * fs / tp,
+        e * routed * (wide * fe + h) + router + (e * tokens * (wide * fs / tp + h) if fs else 0))
 
 
 def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
@@ -107,12 +149,12 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     """The Korthikanti et al. terms of the module docstring, for one microbatch, under
     ``recompute`` (none, selective or full)."""
     e, s, b = training.element_bytes, training.seq_length, micro_batch_size
-    h, f, a = model.hidden_size, model.ffn, model.num_attention_heads
+    h, a = model.hidden_size, model.num_attention_heads
     kv = 2 * model.query_groups * model.head_dim
     sp = tp if training.sequence_parallel and tp > 1 else 1
     tokens = s * b
-    mlp_in = 2 * f if model.swiglu else f  # the first MLP linear's output width
-    split = e * tokens * ((h + kv) + h + mlp_in + f) / tp
+    mlp = _mlp_bytes(model, training, tokens, tp, sp)
+    split = e * tokens * ((h + kv) + h) / tp + mlp.kept
     replicated = e * tokens * 4 * h / sp
     mask = training.dropout_mask_bytes if training.dropout else 0
     masks = 2 * mask * tokens * h / sp
@@ -123,8 +165,8 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
         attention = e * scores + ((mask + e) * scores if training.dropout else 0.0)
         if training.fp32_softmax_copy and e < 4:
             attention += 4 * scores
-    inputs = e * tokens * (2 * h / sp + h / tp + f / tp)
-    output_grads = e * tokens * ((h + kv) / tp + mlp_in / tp + 2 * h)
+    inputs = e * tokens * (2 * h / sp + h / tp) + mlp.w_inputs
+    output_grads = e * tokens * ((h + kv) / tp + h) + mlp.output_grads
     ids = 2 * 8 * tokens  # int64 token and position ids
     embedding = ids + mask * tokens * h / sp
     head = 2 * e * tokens * h / sp + 4 * tokens * model.vocab_size / tp + 9 * tokens
@@ -134,9 +176,9 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
         # the replay runs after B went through the layer's MLP half: a fused backward has
         # freed that half by then; a split B keeps its linear inputs and adds their output
         # gradients (and the attention projection's) for W
-        freed = e * tokens * (mlp_in / tp + h / sp) + masks
-        after = freed + e * tokens * (h + f) / tp + e * tokens * h / sp
-        kept = e * tokens * (mlp_in / tp + 2 * h)
+        freed = mlp.activation_input + e * tokens * h / sp + masks
+        after = freed + e * tokens * h / tp + mlp.w_inputs + e * tokens * h / sp
+        kept = mlp.output_grads + e * tokens * h
         return ActivationSizes(layer - attention, wgrad, embedding, head,
                                transient=max(0.0, attention - after),
                                transient_split=max(0.0, attention - freed + kept))
@@ -190,9 +232,14 @@ def peak_activation_bytes(schedule: Schedule, chunks: Sequence[Sequence[ChunkByt
 
 
 def _layer_parameters(model: ModelConfig, tp: int) -> float:
-    """One layer's parameters on one TP rank (sums to ``model.layer_parameters()`` at TP 1)."""
+    """One layer's parameters on one TP rank but its routed experts (with them, sums to
+    ``model.layer_parameters()`` at TP 1)."""
     h, f = model.hidden_size, model.ffn
     kv = 2 * model.query_groups * model.head_dim
+    if model.moe:  # router (replicated), shared experts (TP-split, no biases)
+        fs = model.shared_ffn
+        attention = (h * (h + kv) + (h + kv) + h * h) / tp + h + 4 * h
+        return attention + h * model.num_experts + (3 if model.swiglu else 2) * h * fs / tp
     mlp_in = 2 * f if model.swiglu else f
     column = h * (h + kv) + (h + kv) + h * mlp_in + mlp_in  # QKV and first MLP linear
     row = h * h + f * h                                      # their weights only
@@ -222,11 +269,17 @@ def chunk_parameters(model: ModelConfig, share: ChunkShare, tp: int, seq_length:
 
 
 def static_memory(model: ModelConfig, training: TrainingConfig, chunks: Sequence[ChunkShare],
-                  tp: int, dp: int, single_chunk_model: bool = False) -> StaticMemory:
-    """Weights, main gradients and optimizer state of one rank's chunks."""
-    count = sum(chunk_parameters(model, c, tp, training.seq_length, single_chunk_model)
+                  tp: int, dp: int, single_chunk_model: bool = False,
+                  ep: int = 1) -> StaticMemory:
+    """Weights, main gradients and optimizer state of one rank's chunks. Routed experts are
+    split over ``ep`` ranks (not TP), and the distributed optimizer shards their state over
+    the expert-data-parallel group, DP x TP / EP ranks."""
+    dense = sum(chunk_parameters(model, c, tp, training.seq_length, single_chunk_model)
                 for c in chunks)
+    experts = sum(c.layers for c in chunks) * model.expert_parameters() / ep
     weight, grad, optimizer = training.parameter_bytes
+    state = optimizer * (dense + experts)
     if training.distributed_optimizer:
-        optimizer = optimizer / dp
-    return StaticMemory(count, count * weight, count * grad, count * optimizer)
+        state = optimizer * (dense / dp + experts / (dp * tp / ep))
+    count = dense + experts
+    return StaticMemory(count, count * weight, count * grad, state, experts)

@@ -39,6 +39,16 @@ class ModelConfig:
     """None: seq_length."""
     untie_embeddings_and_output_weights: bool = False
     swiglu: bool = False
+    num_experts: int | None = None
+    """Mixture of Experts: routed experts in every layer's MLP (``--num-experts``); None: a
+    dense MLP."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (``--moe-router-topk``)."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one routed expert's MLP (``--moe-ffn-hidden-size``); None: ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total width of the shared experts every token also runs
+    (``--moe-shared-expert-intermediate-size``); None: no shared expert."""
     description: str = ""
     """Where the shape comes from (e.g. how the layer count was derived)."""
 
@@ -55,6 +65,12 @@ class ModelConfig:
         if self.num_attention_heads % groups:
             raise ValueError(f"model {self.name!r}: num_attention_heads must be a multiple of "
                              f"num_query_groups {groups}")
+        if self.num_experts is not None and not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"model {self.name!r}: moe_router_topk must be between 1 and "
+                             f"num_experts {self.num_experts}, got {self.moe_router_topk}")
+        if self.num_experts is not None and self.num_experts < 2:
+            raise ValueError(f"model {self.name!r}: num_experts must be >= 2 (or left out for "
+                             f"a dense MLP), got {self.num_experts}")
 
     @property
     def ffn(self) -> int:
@@ -68,12 +84,37 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn(self) -> int:
+        """One routed expert's MLP width."""
+        return self.moe_ffn_hidden_size or self.ffn
+
+    @property
+    def shared_ffn(self) -> int:
+        """The shared experts' total MLP width (0: none)."""
+        return self.moe_shared_expert_intermediate_size or 0
+
+    def expert_parameters(self) -> int:
+        """One layer's routed experts (no biases, as megatron-core builds MoE experts); 0 for
+        a dense model. They are sharded over expert parallelism, not TP."""
+        if not self.moe:
+            return 0
+        return self.num_experts * (3 if self.swiglu else 2) * self.hidden_size * self.expert_ffn
+
     def layer_parameters(self) -> int:
         """Parameters of one transformer layer: QKV and output projections, the MLP (two
-        matrices, three with SwiGLU), biases and two layernorms."""
+        matrices, three with SwiGLU; MoE: router, routed and shared experts), biases and two
+        layernorms."""
         h, f = self.hidden_size, self.ffn
         kv = 2 * self.query_groups * self.head_dim
         attention = h * (h + kv) + (h + kv) + h * h + h
+        if self.moe:
+            mlp = h * self.num_experts + (3 if self.swiglu else 2) * h * self.shared_ffn
+            return attention + mlp + self.expert_parameters() + 4 * h
         mlp = (3 if self.swiglu else 2) * h * f + (2 if self.swiglu else 1) * f + h
         return attention + mlp + 4 * h
 
@@ -101,6 +142,11 @@ class ModelConfig:
             args.append("--untie-embeddings-and-output-weights")
         if self.swiglu:
             args.append("--swiglu")
+        if self.moe:
+            args += ["--num-experts", str(self.num_experts), "--moe-router-topk",
+                     str(self.moe_router_topk), "--moe-ffn-hidden-size", str(self.expert_ffn)]
+            if self.shared_ffn:
+                args += ["--moe-shared-expert-intermediate-size", str(self.shared_ffn)]
         return args
 
     def with_overrides(self, **changes) -> "ModelConfig":

@@ -111,7 +111,7 @@ def _auto_points(evaluator: Evaluator, points: list[GridPoint], rows: list[Predi
 
 def _point_of(row: Prediction) -> GridPoint:
     lay = row.layout
-    return GridPoint(lay.dp, lay.tp, lay.pp, lay.micro_batch_size, row.microbatches)
+    return GridPoint(lay.dp, lay.tp, lay.pp, lay.micro_batch_size, row.microbatches, lay.ep)
 
 
 def plan(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,

@@ -8,8 +8,8 @@ Two configs, each a frozen dataclass checked in ``__post_init__``:
 - :class:`ClusterConfig`: how many GPUs, their memory, speed and links, which the cost model
   (:mod:`.cost`) and the memory check use.
 
-One parallel layout to evaluate is a :class:`ParallelLayout` (DP x TP x PP, micro batch size,
-schedule). Error messages name the ``vshape plan`` flag that sets the field.
+One parallel layout to evaluate is a :class:`ParallelLayout` (DP x TP x PP, EP for MoE models,
+micro batch size, schedule). Error messages name the ``vshape plan`` flag that sets the field.
 """
 from __future__ import annotations
 
@@ -189,6 +189,8 @@ class ParallelLayout:
     """A schedule of :data:`megatron_vshape.schedule.SCHEDULES`, or ``none`` when pp is 1."""
     recompute: str = "none"
     """Activation recomputation: none, selective or full (plan/recompute.py)."""
+    ep: int = 1
+    """Expert-parallel ranks (MoE), taken from the DP x TP ranks of a stage."""
 
     def __post_init__(self) -> None:
         from .recompute import RECOMPUTE
@@ -197,7 +199,7 @@ class ParallelLayout:
             raise ValueError(f"layout: recompute (--recompute) must be one of "
                              f"{', '.join(RECOMPUTE)}, got {self.recompute!r}")
         flags = {"dp": "--gpus", "tp": "--tp", "pp": "--pp",
-                 "micro_batch_size": "--micro-batch-sizes"}
+                 "micro_batch_size": "--micro-batch-sizes", "ep": "--ep"}
         for name, flag in flags.items():
             _positive("layout", flag, name, getattr(self, name), integer=True)
 

@@ -19,7 +19,7 @@ from .settings import GIB
 __all__ = ["CSV_COLUMNS", "format_table", "format_csv", "csv_rows", "best_per_schedule"]
 
 CSV_COLUMNS = (
-    "place", "schedule", "recompute", "dp", "tp", "pp", "micro_batch_size", "microbatches", "feasible",
+    "place", "schedule", "recompute", "dp", "tp", "pp", "ep", "micro_batch_size", "microbatches", "feasible",
     "tokens_per_s_per_gpu", "tflops_per_gpu", "iteration_s", "bubble_rate", "dp_comm_s",
     "p2p_hop_s", "peak_gib", "activations_gib", "weights_gib", "gradients_gib", "optimizer_gib",
     "dominant", "peak_rank", "activations_gib_per_rank", "costs", "description", "reason",
@@ -34,7 +34,7 @@ def csv_rows(result: PlanResult) -> list[dict]:
         row = {
             "place": i + 1 if p.feasible else "", "schedule": lay.label,
             "recompute": lay.recompute, "dp": lay.dp,
-            "tp": lay.tp, "pp": lay.pp, "micro_batch_size": lay.micro_batch_size,
+            "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "micro_batch_size": lay.micro_batch_size,
             "microbatches": p.microbatches, "feasible": p.feasible,
             "tokens_per_s_per_gpu": round(p.tokens_per_second_per_gpu, 1) if p.feasible else "",
             "tflops_per_gpu": round(p.tflops_per_gpu, 1) if p.feasible else "",
@@ -75,7 +75,9 @@ def _header(result: PlanResult) -> list[str]:
     counts = result.infeasible_counts()
     lines = [
         f"{m.name}: {m.parameters() / 1e9:.2f}B parameters, {m.num_layers} layers, hidden "
-        f"{m.hidden_size}; {c.gpus} GPUs x {c.gpu_memory_gib:g} GiB "
+        f"{m.hidden_size}"
+        + (f", {m.num_experts} experts (top {m.moe_router_topk})" if m.moe else "")
+        + f"; {c.gpus} GPUs x {c.gpu_memory_gib:g} GiB "
         f"({c.gpu_memory_gib - c.reserved_gib:g} GiB usable); seq {t.seq_length}, global batch "
         f"{t.global_batch}; {', '.join(features)}",
         f"costs: {result.costs}; pipeline hop and TP/DP communication from link bandwidths "
@@ -88,27 +90,33 @@ def _header(result: PlanResult) -> list[str]:
     return lines
 
 
-_COLUMNS = (("#", 3), ("schedule", 18), ("DP", 3), ("TP", 3), ("PP", 3), ("mbs", 4), ("m", 5),
-            ("tok/s/GPU", 10), ("TFLOP/s", 8), ("iter s", 8), ("bubble", 7), ("peak GiB", 9),
-            ("act", 6), ("w+g", 6), ("optim", 6), ("dominant", 12))
+_COLUMNS = (("#", 3), ("schedule", 18), ("DP", 3), ("TP", 3), ("PP", 3), ("EP", 3), ("mbs", 4),
+            ("m", 5), ("tok/s/GPU", 10), ("TFLOP/s", 8), ("iter s", 8), ("bubble", 7),
+            ("peak GiB", 9), ("act", 6), ("w+g", 6), ("optim", 6), ("dominant", 12))
+"""The table's columns; EP only for MoE models (:func:`_columns`)."""
 
 
-def _line(values) -> str:
+def _columns(moe: bool) -> tuple:
+    return tuple(c for c in _COLUMNS if moe or c[0] != "EP")
+
+
+def _line(values, moe: bool) -> str:
     out = []
-    for (name, width), value in zip(_COLUMNS, values):
+    for (name, width), value in zip(_columns(moe), values):
         out.append(f"{value:<{width}}" if name == "schedule" or name == "dominant"
                    else f"{value:>{width}}")
     return " ".join(out).rstrip()
 
 
-def _row(i: int, p: Prediction) -> str:
+def _row(i: int, p: Prediction, moe: bool) -> str:
     lay = p.layout
-    return _line((i, lay.label, lay.dp, lay.tp, lay.pp, lay.micro_batch_size, p.microbatches,
-                  f"{p.tokens_per_second_per_gpu:.0f}", f"{p.tflops_per_gpu:.0f}",
-                  f"{p.iteration_seconds:.3f}", f"{p.bubble_rate:.3f}",
-                  f"{p.peak_bytes / GIB:.1f}", f"{p.activation_bytes / GIB:.1f}",
-                  f"{(p.weight_bytes + p.gradient_bytes) / GIB:.1f}",
-                  f"{p.optimizer_bytes / GIB:.1f}", p.dominant))
+    return _line((i, lay.label, lay.dp, lay.tp, lay.pp) + ((lay.ep,) if moe else ())
+                 + (lay.micro_batch_size, p.microbatches,
+                    f"{p.tokens_per_second_per_gpu:.0f}", f"{p.tflops_per_gpu:.0f}",
+                    f"{p.iteration_seconds:.3f}", f"{p.bubble_rate:.3f}",
+                    f"{p.peak_bytes / GIB:.1f}", f"{p.activation_bytes / GIB:.1f}",
+                    f"{(p.weight_bytes + p.gradient_bytes) / GIB:.1f}",
+                    f"{p.optimizer_bytes / GIB:.1f}", p.dominant), moe)
 
 
 _BASELINES = ("1f1b", "1f1b-r")
@@ -128,12 +136,13 @@ def format_table(result: PlanResult, top: int = 15) -> str:
     its speed-up over the best 1F1B row."""
     lines = _header(result) + [""]
     feasible = result.feasible
+    moe = result.model.moe
     if not feasible:
         return "\n".join(lines + [result.failure_message()])
-    lines.append(_line(name for name, _ in _COLUMNS))
+    lines.append(_line((name for name, _ in _columns(moe)), moe))
     lines.append("-" * len(lines[-1]))
     for i, p in enumerate(feasible[:top]):
-        lines.append(_row(i + 1, p))
+        lines.append(_row(i + 1, p, moe))
     best = best_per_schedule(result)
     bases = [name for name in _BASELINES if name in best]
     lines += ["", "best per schedule" + (f" (speed-up vs the best {' / '.join(bases)})"
@@ -141,7 +150,7 @@ def format_table(result: PlanResult, top: int = 15) -> str:
     for name, (i, p) in sorted(best.items(), key=lambda kv: kv[1][0]):
         gain = " ".join(f"x{p.tokens_per_second_per_gpu / best[b][1].tokens_per_second_per_gpu:.3f}"
                         for b in bases)
-        lines.append(_row(i, p) + ("  " + gain if gain else ""))
+        lines.append(_row(i, p, moe) + ("  " + gain if gain else ""))
     lines.append("")
     lines.append("memory on the fullest GPU: act = activations kept for backward at the "
                  "schedule's peak, w+g = bf16/fp32 weights + fp32 main gradients, optim = Adam "
