@@ -127,6 +127,8 @@ PIPELINE_REFUSALS = [
     ({"num_experts": 8, "moe_token_dispatcher_type": "flex"},
      "use --moe-token-dispatcher-type alltoall"),
     ({"num_experts": 8, "moe_shared_expert_overlap": True}, "--moe-shared-expert-overlap"),
+    ({"num_experts": 8, "moe_router_load_balancing_type": "sinkhorn"},
+     "--moe-router-load-balancing-type"),
     ({"num_experts": 8, "moe_paged_stash": True}, "--moe-paged-stash"),
 ]
 """Flags that change how megatron's own schedules run passes or their communication, or are
@@ -170,10 +172,12 @@ def test_defaults_of_both_versions_pass():
 def test_moe_is_accepted_with_the_tested_dispatchers(schedule):
     """MoE runs under every schedule of the plugin (tests/test_megatron_lm_moe.py); only what
     no test runs is refused (PIPELINE_REFUSALS)."""
-    for dispatcher in ("alltoall", "allgather"):
+    for dispatcher, balancing in (("alltoall", "aux_loss"), ("allgather", "seq_aux_loss"),
+                                  ("allgather", "global_aux_loss"), ("alltoall", "none")):
         check_arguments(_args(["--pipeline-schedule", schedule], num_experts=8,
                               moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
-                              moe_shared_expert_overlap=False))
+                              moe_shared_expert_overlap=False,
+                              moe_router_load_balancing_type=balancing))
 
 
 def test_tied_embeddings_save_under_data_parallel_with_a_way_out():

@@ -5,15 +5,18 @@ megatron linears; support.megatron_lm_tier.MOE_CASES) run ``scripts/pretrain_gpt
 on 4 gloo processes, as tests/test_megatron_lm_e2e.py runs the dense one (one initial
 checkpoint, 4 iterations, a validation step at iterations 2 and 4):
 
-    case        parallelism          dispatcher  also on
-    moe-ep      PP 2 x EP 2 (DP 2)   alltoall    distributed optimizer, expert capacity 1.0
-                                                 with padding (token dropping), untied
-    moe-pp4     PP 4                 allgather   z-loss, a shared expert, no linear biases
-    moe-edp     PP 2 x DP 2, EP 1    allgather   expert-data-parallel gradients, overlapped
-                                                 reduction, distributed optimizer (v-half)
+    case     parallelism         dispatcher  balancing        also on
+    moe-ep   PP 2 x EP 2 (DP 2)  alltoall    aux_loss         distributed optimizer, expert
+                                                              capacity 1.0 with padding
+                                                              (token dropping), untied
+    moe-pp4  PP 4                allgather   global_aux_loss  z-loss, a shared expert
+    moe-edp  PP 2 x DP 2, EP 1   allgather   seq_aux_loss     expert-data-parallel gradients,
+                                                              overlapped reduction, distributed
+                                                              optimizer, dense and MoE layers
+                                                              mixed (--moe-layer-freq); v-half
 
 Each of zb-1p, v-min, v-half, v-zb and auto (v-half alone for moe-edp) must give 1f1b's losses,
-grad norms, validation losses and logged MoE metrics (load_balancing_loss, z_loss: megatron's
+grad norms, validation losses and logged MoE metrics (the balancing losses, z_loss: megatron's
 tracker, reduced over the pipeline, so both chunks of a V rank count) to 1e-5 relative (fp32);
 so far they agree to the last bit or a few ulps. The aux losses' backward scale
 (MoEAuxLossAutoScaler) is set by megatron's own forward_step, which the V's F passes call for
@@ -75,10 +78,13 @@ def test_moe_trains_like_1f1b(runs, case, schedule):
     _assert_trains_like_1f1b(runs, case, schedule)
 
 
-def test_expert_data_parallel_gradients_like_1f1b(runs):
+def test_expert_data_parallel_gradients_and_mixed_layers_like_1f1b(runs):
     """EP 1 on PP 2 x DP 2: both data-parallel ranks hold every expert, whose gradients DDP
     reduces in its expert buckets over the expert-data-parallel group, started from the W
-    passes (--overlap-grad-reduce), with the distributed optimizer."""
+    passes (--overlap-grad-reduce), with the distributed optimizer. --moe-layer-freq mixes
+    dense and MoE layers: Megatron-LM's gpt_builder slices that pattern by parallel_state's
+    rank, which the V answers with chunk 1's mirrored rank (layers.py); before, chunk 1 got
+    the loop's layer types, another model than 1f1b's."""
     _assert_trains_like_1f1b(runs, "moe-edp", "v-half")
 
 

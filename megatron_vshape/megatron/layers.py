@@ -10,9 +10,17 @@ chunks first (then rank 1's, ...)::
 megatron computes a chunk's layers with ``get_transformer_layer_offset`` and
 ``get_num_layers_to_build``, bound by name in several modules and called again when saving
 checkpoints. :func:`patch_layer_placement` wraps them in those modules: a config carrying
-``vshape_stage_layers`` gets the V's counts (the loop stage of (pp rank, vp stage) is the V
-stage, since chunk 1 reports the mirrored rank, see model.py); any other config goes to
-megatron's own functions.
+``vshape_stage_layers`` (every V chunk's, model.v_chunk_config) gets the V's counts (the loop
+stage of (pp rank, vp stage) is the V stage, since chunk 1 reports the mirrored rank, see
+model.py); any other config goes to megatron's own functions.
+
+Callers that pass no ``pp_rank`` ask parallel_state, whose rank is the real one: Megatron-LM's
+gpt_builder does so for an MoE model's layer specs (``get_gpt_decoder_block_spec(config,
+vp_stage=)``, core_v0.16.1 gpt_builders.py:58, 0.19 :43), which slices the dense / MoE pattern
+of ``--moe-layer-freq`` by the chunk's offset and count. For a V chunk that rank is mirrored
+for chunk 1 here too; megatron's own answer there would be the loop's stage p+r instead of
+the V's 2p-1-r: other layers' types (a dense layer where the model has an MoE one), and with
+uneven stages another layer count.
 """
 from __future__ import annotations
 
@@ -49,13 +57,22 @@ def stage_layers(num_layers: int, ranks: int) -> tuple[int, ...]:
 
 
 def _v_stage(config, vp_stage, pp_rank) -> int:
-    return (vp_stage or 0) * config.pipeline_model_parallel_size + pp_rank
+    """The V stage of chunk ``vp_stage`` on the rank ``pp_rank`` reports (chunk 1 reports the
+    mirrored rank); without ``pp_rank``, of this process's chunk (module doc)."""
+    ranks = config.pipeline_model_parallel_size
+    if pp_rank is None:
+        from megatron.core import parallel_state
+
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        if vp_stage == 1:
+            pp_rank = ranks - 1 - pp_rank
+    return (vp_stage or 0) * ranks + pp_rank
 
 
 def _offset(original):
     def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
         counts = getattr(config, _ATTR, None)
-        if counts is None or pp_rank is None:
+        if counts is None:
             return original(config, vp_stage, pp_rank)
         return sum(counts[:_v_stage(config, vp_stage, pp_rank)])
     get_transformer_layer_offset.vshape_original = original
@@ -65,7 +82,7 @@ def _offset(original):
 def _count(original):
     def get_num_layers_to_build(config, vp_stage=None, pp_rank=None):
         counts = getattr(config, _ATTR, None)
-        if counts is None or pp_rank is None:
+        if counts is None:
             return original(config, vp_stage, pp_rank)
         return counts[_v_stage(config, vp_stage, pp_rank)]
     get_num_layers_to_build.vshape_original = original

@@ -133,6 +133,16 @@ def _moe(args) -> bool:
     return bool(getattr(args, "num_experts", None))
 
 
+_TESTED_BALANCING = {"aux_loss", "seq_aux_loss", "global_aux_loss", "none"}
+"""MoE load-balancing types the real-loop tier runs under the plugin's schedules."""
+
+
+def _balancing(args) -> list:
+    """--moe-router-load-balancing-type as a list (one name, or one per layer group)."""
+    value = getattr(args, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
+    return [value] if isinstance(value, str) else list(value)
+
+
 _PIPELINE_REFUSALS = (
     _Refusal(lambda a: getattr(a, "context_parallel_size", 1) > 1,
              "is not tested with context parallelism (megatron's attention needs Transformer "
@@ -199,6 +209,10 @@ _PIPELINE_REFUSALS = (
              "is tested with the allgather and alltoall token dispatchers only (the flex "
              "dispatcher's DeepEP / HybridEP kernels run on GPUs only): use "
              "--moe-token-dispatcher-type alltoall, or --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _moe(a) and not set(_balancing(a)) <= _TESTED_BALANCING,
+             "is tested with the load-balancing types aux_loss, seq_aux_loss, global_aux_loss "
+             "and none (not sinkhorn): choose one of those with "
+             "--moe-router-load-balancing-type, or use --pipeline-schedule 1f1b"),
     _Refusal(lambda a: _moe(a) and _on(a, "moe_shared_expert_overlap"),
              "does not support --moe-shared-expert-overlap (it overlaps the shared expert with "
              "the dispatch on a side CUDA stream, untested under the B/W split): drop it, or "

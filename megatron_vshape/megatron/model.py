@@ -79,12 +79,13 @@ def check_v_config(config, pp_size: int) -> None:
 def v_chunk_config(config, pp_size: int, te_delay_wgrad: bool = False):
     """A copy of ``config`` for building V chunks (``config`` itself is not modified): two chunks
     per rank (virtual_pipeline_model_parallel_size = 2, which megatron needs to place them),
-    the V's stage layer counts when they are uneven, TE's delayed weight gradients if asked."""
+    the V's stage layer counts (layers.py: uneven ones, and the V's stage for callers that ask
+    parallel_state, as Megatron-LM's MoE layer specs do), TE's delayed weight gradients if
+    asked."""
     check_v_config(config, pp_size)
     config = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
-    if config.num_layers % (2 * pp_size):
-        patch_layer_placement()
-        config = with_stage_layers(config, pp_size)
+    patch_layer_placement()
+    config = with_stage_layers(config, pp_size)
     if te_delay_wgrad:
         config = with_te_delay_wgrad(config)
     return config

@@ -130,22 +130,26 @@ MOE_CASES = {
                "--moe-pad-expert-input-to-capacity"] + _MOE,
     "moe-pp4": ["--pipeline-model-parallel-size", "4", "--moe-token-dispatcher-type",
                 "allgather", "--disable-bias-linear", "--moe-z-loss-coeff", "1e-3",
-                "--moe-shared-expert-intermediate-size", "64"] + _MOE,
+                "--moe-shared-expert-intermediate-size", "64"] + _MOE
+               + ["--moe-router-load-balancing-type", "global_aux_loss"],
     "moe-edp": ["--pipeline-model-parallel-size", "2", "--moe-token-dispatcher-type",
                 "allgather", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                 "--use-distributed-optimizer", "--overlap-grad-reduce",
-                "--overlap-param-gather"] + _MOE,
+                "--overlap-param-gather"] + _MOE
+               + ["--moe-router-load-balancing-type", "seq_aux_loss",
+                  "--moe-layer-freq", "([0]+[1]*3)*2"],
 }
-"""The MoE tiers' models (4 experts, top-2, load-balancing loss) on top of TINY_GPT: PP 2 x EP
-2 (DP 2) with the alltoall dispatcher, the distributed optimizer and expert capacity with
-padding (token dropping); PP 4 with the allgather dispatcher, z-loss and a shared expert; PP 2
-x DP 2 with EP 1 (every expert's gradient reduced over the expert-data-parallel group, in DDP's
-expert buckets, overlapped) with the distributed optimizer. moe-ep and moe-edp untie the
-embeddings: with tied ones and DP > 1 megatron's fully parallel save cannot save a V
-(megatron_lm's refusal says why). moe-pp4 and moe-edp have no linear biases: megatron-core
-0.16's experts add their bias in place to the output of a RowParallelLinear that returns its
-input as a view with EP 1 (core/transformer/mlp.py:247), which autograd refuses under every
-schedule, 1f1b included."""
+"""The MoE tiers' models (4 experts, top-2) on top of TINY_GPT: moe-ep, PP 2 x EP 2 (DP 2) with
+the alltoall dispatcher, the aux loss, the distributed optimizer and expert capacity with
+padding (token dropping); moe-pp4, PP 4 with the allgather dispatcher, the global aux loss,
+z-loss and a shared expert; moe-edp, PP 2 x DP 2 with EP 1 (every expert's gradient reduced
+over the expert-data-parallel group, in DDP's expert buckets, overlapped) with the distributed
+optimizer, the sequence aux loss, and dense and MoE layers mixed (--moe-layer-freq: a dense
+layer, then three MoE ones). moe-ep and moe-edp untie the embeddings: with tied ones and DP > 1
+megatron's fully parallel save cannot save a V (megatron_lm's refusal says why). moe-pp4 and
+moe-edp have no linear biases: megatron-core 0.16's experts add their bias in place to the
+output of a RowParallelLinear that returns its input as a view with EP 1
+(core/transformer/mlp.py:247), which autograd refuses under every schedule, 1f1b included."""
 
 
 def schedule_flags(schedule: str) -> list:
