@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs the planner several times (about 20 s)
+
 ROOT = Path(__file__).parent.parent
 
 

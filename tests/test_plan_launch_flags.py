@@ -64,6 +64,7 @@ def test_each_row_says_what_it_chose(result):
     assert "--use-distributed-optimizer" in shared and "--bf16" in shared
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (MEGATRON_LM / "megatron" / "training" / "arguments.py").is_file(),
                     reason="Megatron-LM's training code is not beside the checkout")
 def test_megatron_lms_parser_accepts_them(result):
@@ -107,6 +108,7 @@ def test_plan_prints_the_flags_of_its_best_rows(capsys):
     assert "--flags must be >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (MEGATRON_LM / "megatron" / "training" / "arguments.py").is_file(),
                     reason="Megatron-LM's training code is not beside the checkout")
 def test_megatron_lms_parser_accepts_a_moe_row():
