@@ -56,7 +56,7 @@ class _BySchedule:
         self.v, self.standard = v, standard
 
     def __call__(self, *args, **kwargs):
-        from megatron_vshape.megatron.megatron_lm import V_SCHEDULES
+        from megatron_vshape.schedule.names import V_SCHEDULES
 
         return (self.v if _schedule() in V_SCHEDULES else self.standard)(*args, **kwargs)
 

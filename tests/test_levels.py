@@ -10,7 +10,8 @@ from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Sch
                                       ScheduleError, build_schedule, parse_memory_model, search,
                                       simulate, validate)
 from megatron_vshape.schedule.construct.greedy import Policy, greedy_schedule
-from megatron_vshape.schedule.search.levels import LEVEL_NAMES, memory_level
+from megatron_vshape.schedule.names import MEMORY_LEVELS
+from megatron_vshape.schedule.search.levels import memory_level
 from megatron_vshape.schedule.search import local
 from megatron_vshape.schedule.search.local import _Search, improve, improve_repeated
 from conftest import B_FREES, h100_costs
@@ -21,7 +22,7 @@ costs_strategy = st.tuples(
 
 
 @settings(max_examples=25, deadline=None)
-@given(name=st.sampled_from(LEVEL_NAMES), p=st.integers(2, 6), m=st.integers(1, 14),
+@given(name=st.sampled_from(MEMORY_LEVELS), p=st.integers(2, 6), m=st.integers(1, 14),
        costs=costs_strategy, frees=st.booleans())
 def test_a_level_is_valid_within_its_bound_and_never_slower_than_the_paper(name, p, m, costs, frees):
     memory = B_FREES if frees else MemoryModel()
@@ -33,7 +34,7 @@ def test_a_level_is_valid_within_its_bound_and_never_slower_than_the_paper(name,
 
 
 @settings(max_examples=12, deadline=None)
-@given(name=st.sampled_from(LEVEL_NAMES), p=st.integers(2, 6), m=st.integers(2, 14),
+@given(name=st.sampled_from(MEMORY_LEVELS), p=st.integers(2, 6), m=st.integers(2, 14),
        costs=costs_strategy, backward=st.sampled_from([-0.25, -0.5, -0.75, -1.0]))
 def test_a_model_that_frees_more_at_b_is_never_slower(name, p, m, costs, backward):
     c = Costs.build(p, *costs)

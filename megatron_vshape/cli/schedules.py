@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..schedule import (SCHEDULES, VARIANTS, Schedule, ScheduleError, SimResult, build_schedule,
                         parse_costs, parse_memory_model, simulate, validate)
+from ..schedule.names import MEGATRON_OWN_SCHEDULES, MEMORY_LEVELS
 from ..schedule.search.bounds import makespan_floor
 from ..schedule.model.limits import MemoryLimit, parse_bytes
 from ..schedule.search import frontier, search
@@ -165,7 +166,7 @@ def describe(schedule: Schedule, result: SimResult | None = None, variant: str =
     simulation, its memory relative to 1F1B's and its bubble. ``schedule.description`` (how it
     was built) is the technical detail, shown under ``--verbose``."""
     what = _WHAT.get(schedule.name, schedule.name)
-    if variant == "paper" and schedule.name in ("zb-1p", "v-min", "v-half", "v-zb"):
+    if variant == "paper" and schedule.name in MEMORY_LEVELS:
         what += ", the paper's order"
     chunks = schedule.placement.chunks
     words = [what, f"{chunks} model chunk{'s' if chunks > 1 else ''} per rank"]
@@ -305,7 +306,7 @@ def _plot_compare(args, records: list[dict]) -> None:
         for ax, key, label in ((mem, "peak_memory_vs_1f1b", "peak activation memory / 1F1B's"),
                                (bub, "bubble_rate", "bubble rate")):
             values = [r[key] for r in records]
-            ax.barh(names, values, color=["tab:grey" if n in ("1f1b", "interleaved-1f1b")
+            ax.barh(names, values, color=["tab:grey" if n in MEGATRON_OWN_SCHEDULES
                                           else "tab:blue" for n in names])
             for y, value in enumerate(values):
                 ax.text(value, y, f" {value:.2f}", va="center", fontsize=8)
@@ -369,7 +370,7 @@ def _plot_frontier(args, costs, rows) -> None:
     from ..schedule.io.render_image import plot_frontier
 
     fixed = []
-    for name in ("1f1b", "zb-1p", "v-min", "v-half", "v-zb"):
+    for name in ("1f1b",) + MEMORY_LEVELS:
         memory = parse_memory_model(args.memory_model)
         schedule = build_schedule(name, args.ranks, args.microbatches, costs, memory=memory,
                                   variant=args.variant)

@@ -25,16 +25,16 @@ from ..plan.evaluate import Prediction
 from ..plan.planner import PlanResult, plan
 from ..plan.settings import GIB, ClusterConfig, TrainingConfig
 from ..plan.table import best_per_schedule
+from ..schedule.names import MEMORY_LEVELS, SCHEDULES, V_SCHEDULES
 from .grid import GridConfig
 
 __all__ = ["FAMILIES", "V_FAMILIES", "PAPER_GRID_GAIN", "PAPER_PURE_PP_GAINS", "CasePrediction",
            "predict_case", "render"]
 
-FAMILIES = ("1f1b", "1f1b-r", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb", "auto")
+FAMILIES = ("1f1b", "1f1b-r") + SCHEDULES[1:]
 """Plan row labels compared, as the paper's tables name them."""
-V_FAMILIES = ("v-min", "v-half", "v-zb", "auto")
-_FIXED_V = ("v-min", "v-half", "v-zb")
-_SCHEDULES = ("1f1b", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb", "auto")
+V_FAMILIES = V_SCHEDULES
+_FIXED_V = tuple(name for name in V_SCHEDULES if name in MEMORY_LEVELS)
 PAPER_GRID_GAIN = 1.16
 """The paper's grid-search result: best V over the best 1F1B configuration."""
 PAPER_PURE_PP_GAINS = (1.07, 1.55)
@@ -127,7 +127,7 @@ def predict_case(grid: GridConfig, seq_length: int, auto_candidates: int = 3,
     valid_pp = pipeline_parallel_choices(model, cluster, SearchSpace())
     tp = tuple(t for t in grid.tp if t in valid_tp)
     pp = tuple(p for p in grid.pp if p in valid_pp)
-    space = SearchSpace(schedules=_SCHEDULES, micro_batch_sizes=grid.mbs, tensor_parallel=tp,
+    space = SearchSpace(schedules=SCHEDULES, micro_batch_sizes=grid.mbs, tensor_parallel=tp,
                         pipeline_parallel=pp, auto_candidates=auto_candidates,
                         recompute=("none", "full"))
     one_mfu = predict_case(grid, seq_length, auto_candidates, profile, False, "mfu") \

@@ -29,7 +29,7 @@ def layout_of(args) -> str:
     """The chunk layout a Megatron-LM argument namespace runs (or a checkpoint was saved with):
     'v', 'loop' or 'single'. Checkpoints without --pipeline-schedule come from Megatron-LM's own
     scripts: interleaved with virtual stages, else 1F1B."""
-    from .megatron_lm import V_SCHEDULES
+    from ..schedule.names import V_SCHEDULES
 
     schedule = getattr(args, "pipeline_schedule", None)
     if schedule in V_SCHEDULES:

@@ -22,13 +22,15 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from ..schedule.names import PLUGIN_SCHEDULES
 from .pipeline_world import (forward_progress, model_parallel, no_gc_pauses, placed_chunks,
                              two_chunks)
 from .tiny_gpt import TinyGPT
 
 __all__ = ["DemoSettings", "ScheduleRun", "run_schedules", "DEMO_SCHEDULES", "DEVICE_RATIOS"]
 
-DEMO_SCHEDULES = ("1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto")
+DEMO_SCHEDULES = ("1f1b",) + PLUGIN_SCHEDULES
+"""megatron's 1F1B, the reference, and every schedule the plugin runs."""
 
 DEVICE_RATIOS = (1.0, 1.39, 0.35)
 """F : B : W of megatron-core transformer layers measured on one H100 (README, "On a GPU")."""

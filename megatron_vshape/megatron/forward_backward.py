@@ -26,7 +26,7 @@ from ..runtime.streams import StreamGroups
 from ..schedule.model.costs import Costs, MemoryModel
 from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, VARIANTS, build_schedule
-from ..schedule.search.levels import LEVEL_NAMES
+from ..schedule.names import MEMORY_LEVELS, schedule_info
 from ..schedule.model.simulate import simulate
 from .compute import MegatronStages
 from .model import sum_tied_embedding_grads
@@ -36,13 +36,33 @@ __all__ = ["VShapeForwardBackward"]
 
 log = logging.getLogger(__name__)
 
-TWO_CHUNK = ("v-min", "v-half", "v-zb", "auto")
-
-
 def replans(schedule: str, variant: str = "fastest") -> bool:
     """Whether a schedule is re-planned from measured costs: auto, and the memory levels
     (schedule/search/levels.py) unless their paper order was asked for."""
-    return schedule == "auto" or (schedule in LEVEL_NAMES and variant == "fastest")
+    return schedule == "auto" or (schedule in MEMORY_LEVELS and variant == "fastest")
+
+
+def checked_settings(schedule: str, variant: str, replan_after: int, timeout: float,
+                     memory_limit: MemoryLimit | str | None) -> MemoryLimit | None:
+    """The one check of a schedule choice's settings (``VShapeConfig`` and
+    ``VShapeForwardBackward`` both run it); returns the memory limit parsed."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid choices: "
+                         f"{', '.join(SCHEDULES)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown schedule variant {variant!r}; valid choices: "
+                         f"{', '.join(VARIANTS)}")
+    if not timeout > 0:
+        raise ValueError(f"the point-to-point timeout must be > 0 seconds, got {timeout}")
+    if replan_after < 0:
+        raise ValueError(f"replan_after must be >= 0 iterations, got {replan_after}")
+    if replan_after and not replans(schedule, variant):
+        raise ValueError(f"replan_after re-plans auto and the fastest variant of "
+                         f"{', '.join(MEMORY_LEVELS)}; {schedule!r} ({variant}) is a fixed "
+                         "order: use replan_after=0")
+    if isinstance(memory_limit, str):
+        return MemoryLimit.parse(memory_limit, "memory_limit")
+    return memory_limit
 
 
 @dataclass
@@ -89,18 +109,8 @@ class VShapeForwardBackward:
     _runners: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {self.schedule!r}; valid choices: "
-                             f"{', '.join(SCHEDULES)}")
-        if isinstance(self.memory_limit, str):
-            self.memory_limit = MemoryLimit.parse(self.memory_limit, "memory_limit")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"unknown schedule variant {self.variant!r}; valid choices: "
-                             f"{', '.join(VARIANTS)}")
-        if self.replan_after and not replans(self.schedule, self.variant):
-            raise ValueError(f"replan_after re-plans auto and the fastest variant of zb-1p, "
-                             f"v-min, v-half and v-zb; {self.schedule!r} ({self.variant}) is a "
-                             "fixed order: use replan_after=0")
+        self.memory_limit = checked_settings(self.schedule, self.variant, self.replan_after,
+                                             self.timeout, self.memory_limit)
         if self.emulate is not None and not isinstance(self.emulate, Costs):
             raise ValueError(f"emulate must be schedule Costs (F, B, W seconds per rank) or "
                              f"None, got {self.emulate!r}")
@@ -165,7 +175,7 @@ class VShapeForwardBackward:
 
     # -- pieces --------------------------------------------------------------------------------
     def _schedule(self, p, m, num_chunks, num_iterators, config):
-        two = self.schedule in TWO_CHUNK or self.schedule == "interleaved-1f1b"
+        two = schedule_info(self.schedule).chunks == 2
         if num_chunks != (2 if two else 1) or num_iterators != num_chunks:
             raise ValueError(
                 f"pipeline schedule {self.schedule!r} needs {2 if two else 1} model chunk(s) and as "

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..plan.model import ModelConfig, load_model_config
+from ..schedule.names import PLUGIN_SCHEDULES
 from ..plan.settings import TrainingConfig
 from .pipeline_world import (forward_progress, model_parallel, no_gc_pauses, placed_chunks,
                              two_chunks)
@@ -37,7 +38,7 @@ from .tiny_gpt import TinyGPT
 __all__ = ["CHECK_SCHEDULES", "DEVICES", "DTYPES", "CheckSettings", "ScheduleCheck",
            "check_settings", "run_check", "loss_tolerance"]
 
-CHECK_SCHEDULES = ("1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto")
+CHECK_SCHEDULES = ("1f1b",) + PLUGIN_SCHEDULES
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 

@@ -22,16 +22,17 @@ import sys
 from dataclasses import dataclass
 
 from ..schedule.model.limits import MemoryLimit
-from ..schedule.registry import SCHEDULES, VARIANTS
-from .forward_backward import VShapeForwardBackward, replans
+from ..schedule.names import PLUGIN_SCHEDULES
+from .forward_backward import VShapeForwardBackward, checked_settings
 from .model import is_v_placed
 from .versions import check_megatron_core_version
 
 __all__ = ["VShapeConfig", "install", "uninstall", "OURS", "MEGATRON_SCHEDULES",
            "VPlacementError"]
 
-OURS = ("zb-1p", "v-min", "v-half", "v-zb", "auto")
-"""Schedules this plugin runs; 1f1b and interleaved-1f1b stay megatron's own."""
+OURS = PLUGIN_SCHEDULES
+"""Schedules this plugin runs; 1f1b and interleaved-1f1b stay megatron's own
+(schedule/names.py)."""
 
 _NAMESPACES = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel",
                "megatron.training.training")
@@ -69,22 +70,8 @@ class VShapeConfig:
     """Seconds a point-to-point wait may take before failing with rank, step and action."""
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline schedule {self.schedule!r} is unknown; valid choices: "
-                             f"{', '.join(SCHEDULES)}")
-        if self.timeout <= 0:
-            raise ValueError(f"VShapeConfig.timeout must be > 0 seconds, got {self.timeout}")
-        if isinstance(self.memory_limit, str):
-            object.__setattr__(self, "memory_limit",
-                               MemoryLimit.parse(self.memory_limit, "memory_limit"))
-        if self.replan_after < 0:
-            raise ValueError(f"VShapeConfig.replan_after must be >= 0, got {self.replan_after}")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"VShapeConfig.variant {self.variant!r} is unknown; valid choices: "
-                             f"{', '.join(VARIANTS)}")
-        if self.replan_after and not replans(self.schedule, self.variant):
-            raise ValueError(f"replan_after re-plans auto and the fastest variant of zb-1p, v-min, "
-                             f"v-half and v-zb, not {self.schedule!r} ({self.variant})")
+        object.__setattr__(self, "memory_limit", checked_settings(
+            self.schedule, self.variant, self.replan_after, self.timeout, self.memory_limit))
 
 
 class _Wrapper:

@@ -22,17 +22,16 @@ import torch
 
 from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, VARIANTS
+from ..schedule.names import PLUGIN_SCHEDULES, V_SCHEDULES
 from .forward_backward import replans
 from .install import VShapeConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["V_SCHEDULES", "add_arguments", "check_arguments", "vshape_config", "VChunkProvider",
+__all__ = ["add_arguments", "check_arguments", "vshape_config", "VChunkProvider",
            "VBatch", "VForwardStep", "is_v_dataset_rank", "packed_seq_params",
            "deferred_standard_provider", "check_weight_grads_split"]
 
-V_SCHEDULES = ("v-min", "v-half", "v-zb", "auto")
-"""Schedules that place two chunks per rank on the V."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -248,7 +247,7 @@ def check_arguments(args) -> None:
     if name == "zb-1p" and args.pipeline_model_parallel_size < 2:
         raise ValueError("--pipeline-schedule zb-1p needs --pipeline-model-parallel-size >= 2")
     refusals = (_V_REFUSALS if name in V_SCHEDULES else _ZB_REFUSALS if name == "zb-1p"
-                else ()) + (_PIPELINE_REFUSALS if name in V_SCHEDULES + ("zb-1p",) else ())
+                else ()) + (_PIPELINE_REFUSALS if name in PLUGIN_SCHEDULES else ())
     for refusal in refusals:
         if refusal.applies(args):
             raise ValueError(f"--pipeline-schedule {name} " + refusal.message.replace("%%", "%"))

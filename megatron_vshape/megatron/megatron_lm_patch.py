@@ -43,7 +43,8 @@ import sys
 
 from .checkpoints import checked_load_checkpoint
 from .install import OURS, VShapeConfig, _Wrapper
-from .megatron_lm import V_SCHEDULES, check_arguments, vshape_config
+from ..schedule.names import V_SCHEDULES
+from .megatron_lm import check_arguments, vshape_config
 
 __all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED"]
 

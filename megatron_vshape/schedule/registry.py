@@ -1,4 +1,5 @@
-"""Schedule names -> schedules. The one place the CLI and the runtime look names up."""
+"""Schedule names -> schedules. The one place the CLI and the runtime look names up (the
+names and their facts: :mod:`.names`)."""
 from __future__ import annotations
 
 from .construct.named import paper_schedule
@@ -6,13 +7,10 @@ from .model.actions import ScheduleError
 from .model.costs import Costs, MemoryModel
 from .model.schedule import Schedule
 from .search.adaptive import search
-from .search.levels import LEVEL_NAMES, fastest_at_level
+from .names import MEMORY_LEVELS, SCHEDULES
+from .search.levels import fastest_at_level
 
 __all__ = ["SCHEDULES", "VARIANTS", "build_schedule"]
-
-SCHEDULES = ("1f1b", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb", "auto")
-"""Every schedule name; ``auto`` is the adaptive search (search/adaptive.py) under a memory
-limit."""
 
 VARIANTS = ("fastest", "paper")
 """``fastest``: zb-1p, v-min, v-half and v-zb are memory levels, the fastest order found for
@@ -47,6 +45,6 @@ def build_schedule(name: str, ranks: int, microbatches: int, costs: Costs | None
     _check(name, ranks, microbatches, variant)
     if name == "auto":
         return search(ranks, microbatches, costs, memory_limit, memory).schedule
-    if name in LEVEL_NAMES and variant == "fastest":
+    if name in MEMORY_LEVELS and variant == "fastest":
         return fastest_at_level(name, ranks, microbatches, costs, memory)
     return paper_schedule(name, ranks, microbatches)

@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
 from megatron_vshape.schedule import build_schedule, simulate  # noqa: E402
+from megatron_vshape.schedule.names import PLUGIN_SCHEDULES  # noqa: E402
 from support.megatron_workers import compare_runs  # noqa: E402
 
-OURS = ("zb-1p", "v-min", "v-half", "v-zb", "auto")
+OURS = PLUGIN_SCHEDULES
 
 
 def _steps(values, name):

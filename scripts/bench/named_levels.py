@@ -23,7 +23,8 @@ import time
 
 from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model, simulate
 from megatron_vshape.schedule.model.actions import PassKind
-from megatron_vshape.schedule.search.levels import LEVEL_NAMES, clear_caches
+from megatron_vshape.schedule.names import MEMORY_LEVELS
+from megatron_vshape.schedule.search.levels import clear_caches
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
                         help="microbatches per rank: m = this x p")
     parser.add_argument("--costs", default="2,2.78,0.7,0.05")
     parser.add_argument("--memory-model", default="1,-0.75,-0.25")
-    parser.add_argument("--names", nargs="+", default=list(LEVEL_NAMES), choices=LEVEL_NAMES)
+    parser.add_argument("--names", nargs="+", default=list(MEMORY_LEVELS), choices=MEMORY_LEVELS)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.repeats < 1:

@@ -34,6 +34,7 @@ from ..construct.slot_reorder import slot_reorder
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
+from ..names import MEMORY_LEVELS
 from ..model.simulate import makespan_of, peak_memory
 from .adaptive import _search_cached, search
 from .freeing_at_b import freeing_nothing_at_b
@@ -41,9 +42,7 @@ from .gc_pause import collector_paused
 from .local import improve
 from .critical_path_step import with_faster_tail
 
-__all__ = ["LEVEL_NAMES", "memory_level", "fastest_at_level", "clear_caches"]
-
-LEVEL_NAMES = ("zb-1p", "v-min", "v-half", "v-zb")
+__all__ = ["memory_level", "fastest_at_level", "clear_caches"]
 """The names that are memory levels (1f1b and interleaved-1f1b stay fixed orders)."""
 
 _ZB_POLICIES = (Policy(), Policy(ranked_warm_up=True, alternate=True))
@@ -61,8 +60,8 @@ _EPS = 1e-9
 
 def memory_level(name: str, ranks: int) -> float:
     """The name's memory bound in units (module doc)."""
-    if name not in LEVEL_NAMES:
-        raise ScheduleError(f"{name!r} is not a memory level; those are {', '.join(LEVEL_NAMES)}")
+    if name not in MEMORY_LEVELS:
+        raise ScheduleError(f"{name!r} is not a memory level; those are {', '.join(MEMORY_LEVELS)}")
     return float(FAMILIES[name].memory_bound(ranks))
 
 
