@@ -1,4 +1,5 @@
-"""README's example outputs of the schedule commands are what those commands print now.
+"""The example outputs of the schedule commands in README.md and docs/schedules.md are what
+those commands print now.
 
 A new user runs them literally and compares; a better search (126.9 -> 126.4 here) or a
 tighter floor left the printed example behind once already. Only the search's wall time
@@ -13,14 +14,17 @@ import pytest
 
 from megatron_vshape.cli import main
 
-_README = Path(__file__).resolve().parent.parent / "README.md"
+_ROOT = Path(__file__).resolve().parent.parent
+_PAGES = (_ROOT / "README.md", _ROOT / "docs" / "schedules.md")
 _VARIES = ("search_seconds",)
 
 
 def _examples(command: str) -> list[tuple[str, list[str]]]:
-    """(command line, printed lines) of every fenced README block run as ``$ vshape command``."""
+    """(command line, printed lines) of every fenced block run as ``$ vshape command`` in the
+    pages."""
     found = []
-    for block in re.findall(r"```\n(.*?)```", _README.read_text(), flags=re.S):
+    text = "\n".join(page.read_text() for page in _PAGES)
+    for block in re.findall(r"```\n(.*?)```", text, flags=re.S):
         head, *printed = block.rstrip("\n").split("\n")
         if head.startswith(f"$ vshape {command} "):
             found.append((head[2:], printed))
@@ -34,7 +38,7 @@ def _kept(lines: list[str]) -> list[str]:
 @pytest.mark.parametrize("command", ["compare", "search"])
 def test_readme_example_prints_what_the_command_prints(command, capsys):
     examples = _examples(command)
-    assert examples, f"README shows no `$ vshape {command}` example"
+    assert examples, f"README.md and docs/schedules.md show no `$ vshape {command}` example"
     for line, printed in examples:
         assert main(shlex.split(line)[1:]) == 0
         assert _kept(capsys.readouterr().out.splitlines()) == _kept(printed), line
