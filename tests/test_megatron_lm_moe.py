@@ -1,6 +1,6 @@
 """Mixture-of-Experts under every schedule of the plugin, in Megatron-LM's own training loop.
 
-Three MoE GPTs (4 experts, top-2, load-balancing loss; local spec: SequentialMLP experts of
+MoE GPTs (4 experts, top-2, load-balancing loss; local spec: SequentialMLP experts of
 megatron linears; support.megatron_lm_tier.MOE_CASES) run ``scripts/pretrain_gpt_vshape.py``
 on 4 gloo processes, as tests/test_megatron_lm_e2e.py runs the dense one (one initial
 checkpoint, 4 iterations, a validation step at iterations 2 and 4):
@@ -14,6 +14,7 @@ checkpoint, 4 iterations, a validation step at iterations 2 and 4):
                                                               overlapped reduction, distributed
                                                               optimizer, dense and MoE layers
                                                               mixed (--moe-layer-freq); v-half
+    and 14 layers on PP 4 (uneven V stages) with a dense first layer, v-half.
 
 Each of zb-1p, v-min, v-half, v-zb and auto (v-half alone for moe-edp) must give 1f1b's losses,
 grad norms, validation losses and logged MoE metrics (the balancing losses, z_loss: megatron's
@@ -41,7 +42,8 @@ importorskip_megatron()
 from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER  # noqa: E402
 from support.megatron_lm_tier import (  # noqa: E402
-    MOE_CASES, TINY_GPT, assert_same_moe_metrics, assert_same_training, resumed, trained)
+    ITERS, MOE_CASES, PP4, TINY_GPT, assert_same_moe_metrics, assert_same_training,
+    initial_checkpoint, resumed, trained)
 from support.megatron_workers import moe_weight_grads_in_w  # noqa: E402
 
 def _real_loop_or_skip() -> None:
@@ -88,6 +90,23 @@ def test_expert_data_parallel_gradients_and_mixed_layers_like_1f1b(runs):
     rank, which the V answers with chunk 1's mirrored rank (layers.py); before, chunk 1 got
     the loop's layer types, another model than 1f1b's."""
     _assert_trains_like_1f1b(runs, "moe-edp", "v-half")
+
+
+def test_uneven_moe_layers_like_1f1b(runs):
+    """--num-layers 14 on PP 4 (the V's stages 1,2,2,2,2,2,2,1; 1f1b's 2,4,4,4) with a dense
+    first layer (--moe-layer-freq): gpt_builder's block spec takes its layer count and types
+    from the V's stages (layers.py), as the e2e tier's dense uneven case does."""
+    model = PP4 + ["--num-layers", "14", "--num-experts", "4", "--moe-router-topk", "2",
+                   "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "allgather",
+                   "--disable-bias-linear", "--moe-layer-freq", "[0]+[1]*13"]
+    first = ["--decoder-first-pipeline-num-layers", "2"]
+    start = initial_checkpoint(runs, "moe-uneven", model + first)
+    reference = runs.get("moe-uneven-1f1b", TINY_GPT + model + start + first +
+                         ["--train-iters", str(ITERS)])
+    got = runs.get("moe-uneven-v-half", TINY_GPT + model + start +
+                   ["--pipeline-schedule", "v-half", "--train-iters", str(ITERS)])
+    assert_same_training(got, reference, "moe-uneven v-half")
+    assert_same_moe_metrics(got, reference, "moe-uneven v-half")
 
 
 @pytest.mark.parametrize("case,saved_by,resumed_by", [
