@@ -15,9 +15,9 @@ import torch  # noqa: E402
 
 from megatron_vshape.cli import build_parser, main  # noqa: E402
 from megatron_vshape.cli.gpu_check import dtypes  # noqa: E402
-from megatron_vshape.megatron.gpu_check import (GPU_MODEL, CheckSettings,  # noqa: E402
+from megatron_vshape.harness.gpu_check import (GPU_MODEL, CheckSettings,  # noqa: E402
                                                 ScheduleCheck, check_settings, loss_tolerance)
-from megatron_vshape.megatron.gpu_report import (MEMORY_TOLERANCE, PIPELINE_KEYS,  # noqa: E402
+from megatron_vshape.harness.gpu_report import (MEMORY_TOLERANCE, PIPELINE_KEYS,  # noqa: E402
                                                  REPORT_KEYS, SCHEDULE_KEYS, pipeline_report,
                                                  predicted_bytes, render_markdown)
 from megatron_vshape.schedule import build_schedule  # noqa: E402
@@ -63,7 +63,7 @@ def test_bf16_path_on_cpu():
     bytes are within 5% of the planner's bf16 prediction, which counts megatron's unfused fp32
     softmax output (TrainingConfig.fp32_softmax_copy: without it the prediction was 20-25%
     low here, and more at the GPU model's 2048 tokens)."""
-    from megatron_vshape.megatron.gpu_check import run_check
+    from megatron_vshape.harness.gpu_check import run_check
 
     settings = CheckSettings(check_settings("cpu", tiny=True).model, dtype="bfloat16",
                              steps=2, schedules=("1f1b", "zb-1p", "v-half"))
@@ -158,7 +158,7 @@ def test_profile_step_measures_tp_shards_within_its_budget(monkeypatch):
     heads, FFN and vocabulary ratios): one spawned process, TP 1/2/4/8 shards per file; a
     zero budget still measures the first request, and nothing after it."""
     from megatron_vshape.cli.gpu_profiles import paper_requests
-    from megatron_vshape.megatron.profiling import ProfileRequest, profile_models, shard
+    from megatron_vshape.harness.profiling import ProfileRequest, profile_models, shard
     from megatron_vshape.plan import load_model_config
 
     requests = []

@@ -17,7 +17,7 @@ from support.megatron_lm_launch import MEGATRON_LM, megatron_lm_env
 
 _PARSE = """
 import json, sys
-from megatron_vshape.megatron.cpu import prepare_cpu_imports
+from megatron_vshape.harness.cpu import prepare_cpu_imports
 prepare_cpu_imports()
 from megatron.training.arguments import parse_args
 from megatron_vshape.megatron.megatron_lm import add_arguments

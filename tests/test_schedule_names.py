@@ -33,8 +33,8 @@ def test_the_groups_come_from_the_table():
 
 def test_every_layer_lists_the_same_names():
     from megatron_vshape.experiments.predict import FAMILIES, V_FAMILIES
-    from megatron_vshape.megatron.demo import DEMO_SCHEDULES
-    from megatron_vshape.megatron.gpu_check import CHECK_SCHEDULES
+    from megatron_vshape.harness.demo import DEMO_SCHEDULES
+    from megatron_vshape.harness.gpu_check import CHECK_SCHEDULES
     from megatron_vshape.megatron.install import OURS
     from megatron_vshape.megatron.megatron_lm import add_arguments
 

@@ -80,7 +80,7 @@ def missing_backend_warnings_hidden():
 
 
 def _settings(args):
-    from ..megatron.demo import DEMO_SCHEDULES, DemoSettings
+    from ..harness.demo import DEMO_SCHEDULES, DemoSettings
     from ..schedule.model.limits import MemoryLimit
 
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
@@ -97,7 +97,7 @@ def _settings(args):
 
 
 def _tiny_from_config(path):
-    from ..megatron.tiny_gpt import TinyGPT
+    from ..harness.tiny_gpt import TinyGPT
     from ..plan.model import load_model_config
 
     return TinyGPT.from_model(load_model_config(path), micro_batch_size=2)
@@ -105,7 +105,7 @@ def _tiny_from_config(path):
 
 def _demo(args) -> int:
     try:
-        from ..megatron.demo import run_schedules
+        from ..harness.demo import run_schedules
         from tqdm import tqdm
     except ImportError as err:
         raise ValueError(f"vshape demo needs torch and megatron-core: pip install -e '.[megatron]' "

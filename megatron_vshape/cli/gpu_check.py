@@ -2,7 +2,7 @@
 
 A lent GPU is available for minutes at a time, so everything a GPU should confirm runs here in
 one call and lands in ``--output``: ``report.json`` and ``report.md`` (the pipeline under every
-schedule against 1F1B and the planner, :mod:`..megatron.gpu_check`), and on CUDA (not
+schedule against 1F1B and the planner, :mod:`..harness.gpu_check`), and on CUDA (not
 ``--tiny``) per-layer profiles of the paper's models (``cuda-<model>-s<S>.yaml``,
 :mod:`.gpu_profiles`). ``--device cpu --tiny`` is the same command on the CPU, run in CI
 (tests/test_gpu_check.py), so the GPU path cannot rot between loans.
@@ -77,8 +77,8 @@ def dtypes(device: str, tiny: bool, no_fp32: bool) -> list[str]:
 def _gpu_check(args) -> int:
     from tqdm import tqdm
 
-    from ..megatron.gpu_check import check_settings, run_check
-    from ..megatron.gpu_report import machine, pipeline_report, render_markdown
+    from ..harness.gpu_check import check_settings, run_check
+    from ..harness.gpu_report import machine, pipeline_report, render_markdown
 
     began = time.perf_counter()
     device = _device(args.device)

@@ -2,7 +2,7 @@
 
 For each bundled paper model (``gpt-9.6b``, ``gpt-21b``, ``gpt-38.5b``, ``gpt-98.5b``) and
 sequence length 1024 and 3072, one profile file ``cuda-<model>-s<S>.yaml`` with measurements at
-TP 1, 2, 4, 8 (a TP shard's layer on one GPU, :func:`..megatron.profiling.shard`), each file
+TP 1, 2, 4, 8 (a TP shard's layer on one GPU, :func:`..harness.profiling.shard`), each file
 recording the ``vshape profile`` command that measures it again and the machine. All shapes are
 measured in one spawned process, smallest model first, until the time budget is spent: a
 lent GPU's minutes are few. Commit the files into megatron_vshape/configs/profiles/.
@@ -29,7 +29,7 @@ bf16), 5 timed iterations after 2 warm-up ones: about a second per shape on an H
 
 def paper_requests(device: str = "cuda") -> list[tuple]:
     """(ProfileRequest, file name, command) per model and sequence length, smallest first."""
-    from ..megatron.profiling import ProfileRequest
+    from ..harness.profiling import ProfileRequest
 
     out = []
     for name in PAPER_MODELS:
@@ -48,7 +48,7 @@ def paper_requests(device: str = "cuda") -> list[tuple]:
 def profile_paper_layers(out: Path, budget: float, device: str = "cuda") -> list[dict]:
     """Measure :func:`paper_requests` within ``budget`` seconds and write the profile files
     into ``out``; the report's entries for those written."""
-    from ..megatron.profiling import profile_models
+    from ..harness.profiling import profile_models
 
     requests = paper_requests(device)
     profiles = profile_models([r for r, _, _ in requests], [c for _, _, c in requests], budget)

@@ -1,7 +1,7 @@
 """``vshape profile``: measure a model's per-layer F, B, W and activation memory for ``--profile``.
 
 Writes the file ``vshape plan --profile`` reads (format: :mod:`..plan.profile_file`, docs/plan.md)
-and prints one line per micro batch size. The measuring (:mod:`..megatron.profiling`) needs
+and prints one line per micro batch size. The measuring (:mod:`..harness.profiling`) needs
 torch and megatron-core, so it is imported only when the command runs: the rest of the CLI
 works without them.
 """
@@ -80,7 +80,7 @@ def profile_command(args, seq_length: int, sizes: tuple[int, ...], layers: int, 
 
 
 def _profile(args) -> int:
-    from ..megatron.profiling import ProfileRequest, default_device, profile_model
+    from ..harness.profiling import ProfileRequest, default_device, profile_model
 
     try:
         model = load_model_config(args.model)

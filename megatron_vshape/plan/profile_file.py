@@ -24,7 +24,7 @@ settings (:meth:`MeasuredProfile.times`), so the shape model's efficiency change
 the plan's ``costs`` column says which measurement was used. Parts left out (head, embedding)
 come from the analytic model.
 
-``vshape profile`` (:mod:`megatron_vshape.megatron.profiling`) writes these files, with
+``vshape profile`` (:mod:`megatron_vshape.harness.profiling`) writes these files, with
 optional memory facts and provenance the planner's time model does not need::
 
     backward_leftover: 0.3287        # share of a layer's kept bytes B leaves for W

@@ -11,7 +11,7 @@ gradients (W), and prints one JSON line per case with ``split_overhead`` = (B + 
 It also measures with our ActivationTracker what a forward keeps for backward and what W still
 keeps after B (the linear layers' inputs and output gradients), per layer: the fraction B frees
 is why a V schedule's real memory lands below the paper's model (which frees at W). The stack
-and its timing are megatron_vshape.megatron.profiling's; ``vshape profile`` writes the same
+and its timing are megatron_vshape.harness.profiling's; ``vshape profile`` writes the same
 split measurement (on CPU too) as a profile file for ``vshape plan --profile``. With Transformer
 Engine installed, ``--te`` runs the same on TE layers through their ``backward_dw``.
 The F, B, W per layer are the costs ``vshape search --costs`` and the planner take.
@@ -36,9 +36,9 @@ def _init() -> None:
 
 
 def _measure(args, te: bool, split: bool):
-    """The library's layer stack and timing (megatron_vshape.megatron.profiling, what
+    """The library's layer stack and timing (megatron_vshape.harness.profiling, what
     ``vshape profile`` runs), in this process."""
-    from megatron_vshape.megatron.profiling import build_stack, time_stack
+    from megatron_vshape.harness.profiling import build_stack, time_stack
     from megatron_vshape.plan.model import ModelConfig
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

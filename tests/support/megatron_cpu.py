@@ -7,7 +7,7 @@ workers, which import it at the top of theirs.
 """
 import pytest
 
-from megatron_vshape.megatron.cpu import (SequenceParallelLayerNorm,  # noqa: F401
+from megatron_vshape.harness.cpu import (SequenceParallelLayerNorm,  # noqa: F401
                                           allow_sequence_parallel_norms, install_cpu_shims,
                                           prepare_cpu_imports)
 

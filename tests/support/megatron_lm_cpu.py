@@ -8,7 +8,7 @@ megatron-core 0.16.1; "0.19:" ../shared/megatron-lm-0.19 with megatron-core 0.19
 it changes. The same patches serve both: each is applied by the name it replaces. None changes
 what is computed: they move device bookkeeping to the CPU, skip GPU-only compilation, and keep
 RNG state objects that the CPU has no equivalent of. The megatron-core shims the CPU tests and the demo share live in
-``megatron_vshape/megatron/cpu.py`` and are applied first.
+``megatron_vshape/harness/cpu.py`` and are applied first.
 
 Nothing in the plugin imports this module: it is applied from outside, by the test launcher
 (``support.megatron_lm_launch``) or, for a plain ``torchrun``, by ``support/mlm_site``'s
@@ -253,7 +253,7 @@ def _let_megatron_import() -> None:
       the plugin's CPU stand-in, installed before any megatron import; not for 0.16, whose
       tier runs as before without one (:func:`_stand_in_batch_invariant_kernels`).
     """
-    from megatron_vshape.megatron.cpu import install_triton_stand_in, install_typing_override
+    from megatron_vshape.harness.cpu import install_triton_stand_in, install_typing_override
 
     install_typing_override()
     if _megatron_core_minor() >= 17:
@@ -314,7 +314,7 @@ def install_megatron_lm_cpu_patches() -> None:
         return
     _let_megatron_import()
     _stand_in_batch_invariant_kernels()
-    from megatron_vshape.megatron.cpu import allow_sequence_parallel_norms, install_cpu_shims
+    from megatron_vshape.harness.cpu import allow_sequence_parallel_norms, install_cpu_shims
 
     install_cpu_shims()
     # Megatron-LM's local spec takes megatron's torch norm, which refuses --sequence-parallel

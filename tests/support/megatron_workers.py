@@ -1,6 +1,6 @@
 """Workers for the megatron-core gloo tests (run in every spawned rank).
 
-The model, data and by-name initialisation are megatron_vshape.megatron.tiny_gpt's (the demo
+The model, data and by-name initialisation are megatron_vshape.harness.tiny_gpt's (the demo
 uses them too). ``options`` switch on what Megatron-LM's training loop does on top of plain
 megatron-core: ``per_token`` (pretrain_gpt's per-token loss, calculate_per_token_loss),
 ``relay`` (losses read on the last pipeline rank), ``timers`` (megatron's timers),
@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from support.megatron_cpu import allow_sequence_parallel_norms, install_cpu_shims  # first: it
 # prepares megatron imports on CPU (megatron-core 0.19's triton)
-from megatron_vshape.megatron import tiny_gpt  # noqa: E402
-from megatron_vshape.megatron.tiny_gpt import (  # noqa: F401,E402
+from megatron_vshape.harness import tiny_gpt  # noqa: E402
+from megatron_vshape.harness.tiny_gpt import (  # noqa: F401,E402
     global_grads, global_named_parameters, init_by_name)
 
 TEST_GPT = tiny_gpt.TinyGPT(hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8,

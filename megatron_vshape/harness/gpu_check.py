@@ -246,7 +246,7 @@ def _worker(rank: int, world: int, settings: CheckSettings, done) -> dict:
 def _build(settings: CheckSettings, schedule: str, groups: dict):
     """This rank's chunks under ``schedule``'s placement, weights by global name, and our
     forward-backward function (1f1b too: the reference is our runtime's 1F1B order)."""
-    from .forward_backward import VShapeForwardBackward
+    from ..megatron.forward_backward import VShapeForwardBackward
     from .tiny_gpt import init_by_name
 
     config = settings.transformer_config()
@@ -274,7 +274,7 @@ def _train(settings: CheckSettings, chunks, fb) -> dict:
 
     from ..runtime.memory import ActivationTracker
     from .tiny_gpt import forward_step
-    from .wgrad import store_of
+    from ..megatron.wgrad import store_of
 
     params = [p for c in chunks for p in c.parameters()]
     tracker = ActivationTracker(params)

@@ -29,7 +29,7 @@ def model_parallel(ranks: int, v_layout: bool, current: bool | None) -> bool:
     import megatron.core.models.gpt  # noqa: F401  (before the shims rebind megatron's RNG)
     from megatron.core import parallel_state as ps
 
-    from .model import v_embedding_ranks
+    from ..megatron.model import v_embedding_ranks
 
     if current == v_layout:
         return v_layout
@@ -49,8 +49,8 @@ def placed_chunks(provider, config, schedule: str, ranks: int) -> list:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from ..runtime.wgrad import WeightGradStore
-    from .model import build_v_chunks
-    from .wgrad import defer_weight_grads
+    from ..megatron.model import build_v_chunks
+    from ..megatron.wgrad import defer_weight_grads
 
     model_parallel_cuda_manual_seed(123)
     if two_chunks(schedule):

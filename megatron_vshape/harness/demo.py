@@ -204,7 +204,7 @@ def _build(settings: DemoSettings, schedule: str, groups: dict, emulate=None):
     use and fill the shared stream ``groups``); with ``emulate`` (Costs), ours built for and
     slowed to those costs, never re-planned (1f1b too: megatron's own has no per-pass hook to
     sleep in; auto under a byte limit keeps its provisional V-Min, as nothing measures bytes)."""
-    from .forward_backward import VShapeForwardBackward
+    from ..megatron.forward_backward import VShapeForwardBackward
     from .tiny_gpt import init_by_name
 
     chunks = placed_chunks(settings.model.provider(settings.tied),
@@ -228,7 +228,7 @@ def _train(settings: DemoSettings, chunks, fb, steps: int) -> dict:
 
     from ..runtime.memory import ActivationTracker
     from .tiny_gpt import batches, forward_step, global_grads
-    from .wgrad import store_of
+    from ..megatron.wgrad import store_of
 
     tracker = ActivationTracker([p for c in chunks for p in c.parameters()])
     for store in (store_of(c) for c in chunks):
