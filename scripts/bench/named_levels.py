@@ -3,17 +3,18 @@
     python scripts/bench/named_levels.py [--ranks 4 8 16] [--per-rank 4 8]
         [--costs 2,2.78,0.7,0.05] [--memory-model 1,-0.75,-0.25] [--repeats 3]
 
-Defaults are the F : B : W ratio measured on an H100 (README, issue 5) and what B leaves for W
-there (8-25% of a chunk: ``1,-0.75,-0.25``); m = per-rank x p. Per case and name: the makespan
+Defaults are the F : B : W ratio measured on an H100 (docs/benchmarks.md) and what B leaves for
+W there (8-25% of a chunk: ``1,-0.75,-0.25``); m = per-rank x p. Per case and name: the makespan
 of the fastest order at the name's memory level and of the paper's fixed order, both over
 1F1B's, their peaks, the build time of the fastest (median of ``--repeats`` uncached runs) and
 a digest of its orders (``orders_sha1``): two runs that print the same digests built the same
 orders, which is how a speed-up is checked to change nothing; and its steady state
 (``steady_per_microbatch``: how far apart rank 0 starts its stage-0 forwards over the middle half
-of the microbatches), which README compares with the fastest steady state a block allows
-(tests/test_search_bound.py).
-Targets (issue 15): v-half <= 1.0 x 1F1B (goal 0.95), v-min <= 1.10 x, v-zb <= 0.92 x; a
-named schedule under 0.5 s for p <= 16, m <= 64.
+of the microbatches), to compare with the fastest steady state a block allows
+(tests/test_search_bound.py); and ``floor_vs_1f1b``, the lower bound for any schedule within the
+name's memory level (schedule/search/bounds.py: compute, Little's law, fill and drain).
+Targets: v-half <= 1.0 x 1F1B (goal 0.95), v-min <= 1.10 x, v-zb <= 0.92 x; a named schedule
+under 0.5 s for p <= 16, m <= 64 (on an idle machine).
 """
 import argparse
 import hashlib
@@ -24,6 +25,7 @@ import time
 from megatron_vshape.schedule import build_schedule, parse_costs, parse_memory_model, simulate
 from megatron_vshape.schedule.model.actions import PassKind
 from megatron_vshape.schedule.names import MEMORY_LEVELS
+from megatron_vshape.schedule.search.bounds import makespan_floor
 from megatron_vshape.schedule.search.levels import clear_caches
 
 
@@ -65,6 +67,8 @@ def main() -> None:
                     "build_s_median": round(statistics.median(times), 4),
                     "orders_sha1": orders_digest(fastest),
                     "steady_per_microbatch": steady_per_microbatch(fastest, ours),
+                    "floor_vs_1f1b": round(makespan_floor(
+                        fastest.placement, m, costs, fastest.memory_bound, memory) / one, 4),
                     "description": fastest.description,
                 }), flush=True)
 

@@ -12,9 +12,9 @@ Every benchmark in scripts/bench prints one JSON line per case. A stored result 
 ``docs/results/NAME.jsonl``, holds those lines after one header line, ``{"run": {...}}``: the
 command that printed them, the machine, the date, how long the run took, and ``recorded``
 (true where the numbers were copied from an earlier report and cannot be re-measured on a CPU:
-the GPU timings and the OR-Tools solver runs). ``RUNS`` below says, per result file, which
-script and arguments produce it, which fields of a case are deterministic (schedule makespans,
-bubbles, peaks, order digests: pure Python, the same on any machine) and how the page shows it.
+the GPU timings). ``RUNS`` below says, per result file, which script and arguments produce it,
+which fields of a case are deterministic (schedule makespans, bubbles, peaks, order digests:
+pure Python, the same on any machine) and how the page shows it.
 
 ``--verify`` re-computes the deterministic fields of the stored cases with today's code and
 names every case that differs; ``--cheap`` keeps to the small cases (tests/test_benchmark_page.py
@@ -196,10 +196,18 @@ def _render_named(rows: list[dict]) -> list[str]:
         timing.append([p, m] + [_seconds(c["build_s_median"]) if c else "-" for c in cells])
         peaks.append([p, m] + [f"{c['peak_memory_max']:g} ({c['paper_peak_memory_max']:g})"
                                if c else "-" for c in cells])
+    floors = [[p, m] + [_num(c.get("floor_vs_1f1b")) if c else "-" for c in
+                        (_one(rows, ranks=p, microbatches=m, schedule=n) for n in names)]
+              for p, m in points]
     papers = [f"{n}, paper order" for n in names if n != "zb-1p"]
     return (["Makespan over 1F1B's (below 1 is faster than 1F1B), the fastest order at each name's "
              "memory level and the paper's fixed order:", ""]
             + _table(["p", "m", "1F1B makespan", *names, *papers], ratio)
+            + ["", "A lower bound for any schedule within each name's memory level, over 1F1B's "
+               "makespan (`megatron_vshape/schedule/search/bounds.py`: the busiest rank's compute, "
+               "Little's law on each rank's activation lifetimes, the pipeline's fill and drain); "
+               "no order reaches below it:", ""]
+            + _table(["p", "m", *names], floors)
             + ["", "Peak activation memory, ours (the paper order's), in units of one rank's layer "
                "share; the names' bounds are p, (p+4)//3, (p+2)//2 and p:", ""]
             + _table(["p", "m", *names], peaks)
@@ -269,6 +277,14 @@ def _render_reference(rows: list[dict]) -> list[str]:
         theirs = [r["ref_generator_s"] for r in mine]
         timing.append([label.get(name, name), _seconds(statistics.median(ours)), _seconds(max(ours)),
                        _seconds(statistics.median(theirs)), _seconds(max(theirs))])
+    points = []
+    for p, m, costs, comm in _points([dict(r, costs=tuple(r["costs"])) for r in rows],
+                                     "ranks", "microbatches", "costs", "comm"):
+        cells = [_one(rows, ranks=p, microbatches=m, costs=list(costs), comm=comm, schedule=n)
+                 for n in order]
+        points.append([p, m, ",".join(f"{c:g}" for c in costs), f"{comm:g}"]
+                      + [f"{c['ours_bubble_rate']:.3f} / {c['ref_bubble_rate']:.3f}"
+                         if c and "bubble_diff" in c else "-" for c in cells])
     failed = [r for r in rows if "bubble_diff" not in r]
     agree = max((r["ref_makespan_rel_diff"] for r in rows if "ref_makespan_rel_diff" in r), default=None)
     lines = (["Bubble rates under our simulator, ours against theirs per grid point: \"worse\" is "
@@ -281,7 +297,10 @@ def _render_reference(rows: list[dict]) -> list[str]:
                 "name's level is the search that name has just run, read from the cache):", ""]
              + _table(["schedule", "ours median", "ours max", "theirs median", "theirs max"], timing)
              + ["", f"Their schedules timed by their own cost model and by our simulator differ by at "
-                f"most {agree:g} (relative)." if agree is not None else ""])
+                f"most {agree:g} (relative)." if agree is not None else ""]
+             + ["", "<details><summary>Every point: bubble rate, ours / theirs</summary>", ""]
+             + _table(["p", "m", "F,B,W", "hop", *(label.get(n, n) for n in order)], points)
+             + ["", "</details>"])
     if failed:
         lines += ["", f"{len(failed)} points without a comparison: "
                   + "; ".join(f"{r['schedule']} {_point(r)}: "
@@ -316,6 +335,9 @@ def _render_cooldown(rows: list[dict]) -> list[str]:
             r = _one(rows, ranks=p, microbatches=m, schedule=name)
             if r is None:
                 cells.append("-")
+                continue
+            if r.get("exact_makespan") is None:
+                cells.append(f"{r['makespan']:.2f} (no solution in time)")
                 continue
             star = "*" if r["status"] == "OPTIMAL" else ""
             same = abs(r["exact_makespan"] - r["makespan"]) < 1e-9
@@ -357,7 +379,7 @@ RUNS: tuple[Run, ...] = (
         _render_named, key=("schedule", "ranks", "microbatches", "costs", "memory_model"),
         deterministic=("vs_1f1b", "paper_vs_1f1b", "makespan", "makespan_1f1b", "peak_memory_max",
                        "paper_peak_memory_max", "orders_sha1", "steady_per_microbatch",
-                       "description"),
+                       "floor_vs_1f1b", "description"),
         cheap=lambda r: r["ranks"] == 4 and r["microbatches"] == 16
         and r["schedule"] in ("zb-1p", "v-half"),
         remeasure=_by_rerun(lambda r: ["--ranks", str(r["ranks"]), "--per-rank",
@@ -371,7 +393,7 @@ RUNS: tuple[Run, ...] = (
         _render_named, key=("schedule", "ranks", "microbatches", "costs", "memory_model"),
         deterministic=("vs_1f1b", "paper_vs_1f1b", "makespan", "makespan_1f1b", "peak_memory_max",
                        "paper_peak_memory_max", "orders_sha1", "steady_per_microbatch",
-                       "description"),
+                       "floor_vs_1f1b", "description"),
         cheap=lambda r: r["ranks"] == 4 and r["microbatches"] == 16 and r["schedule"] == "v-min",
         remeasure=_by_rerun(lambda r: ["--ranks", str(r["ranks"]), "--per-rank",
                                        str(r["microbatches"] // r["ranks"]), "--names", r["schedule"],
@@ -397,7 +419,8 @@ RUNS: tuple[Run, ...] = (
         "schedules are converted, checked by our validator and timed by our simulator. `auto` "
         "is compared with their adaptive search (`v_auto_schedule`) at the same memory limit. "
         "The script's default grid adds p = 16, where their adaptive search takes up to a minute "
-        "per point.",
+        "per point. To record it again: `ZB_REFERENCE=PATH python scripts/bench/report.py "
+        "--record reference_compare`.",
         _render_reference, key=("schedule", "ranks", "microbatches", "costs", "comm"),
         deterministic=("ours_bubble_rate", "ours_makespan", "ours_peak", "ours_error"),
         cheap=lambda r: r["ranks"] == 4 and r["microbatches"] == 8 and r["comm"] == 0.1
@@ -425,15 +448,21 @@ RUNS: tuple[Run, ...] = (
         "Every pass that starts in a named schedule's last 60 time units is set free and "
         "CP-SAT (OR-Tools, 60 s and one thread per case) orders them anew under the same "
         f"dependencies and memory level; H100 costs, memory model `{B_FREES}`. Needs "
-        "`pip install ortools` and about 20 minutes.",
-        _render_cooldown, recorded=True),
+        "OR-Tools (`pip install ortools`; the project does not depend on it) and about 20 "
+        "minutes. The solver stops at its time limit, so what it finds depends on the machine "
+        "and what else runs there: a run beside other jobs (load average 5-13 on the same two "
+        "cores) found a solution for only 11 of the 18 cases. The results below are the run "
+        "first reported, kept as reported; the orders they start from are the named levels' "
+        "above (the tests check that their makespans are today's).",
+        _render_cooldown, timeout=3000, recorded=True, stack=("ortools",)),
     Run("bw_split_gpu", "bw_split_gpu.py", (),
         "The cost of splitting the backward into B and W (GPU)",
         "megatron-core transformer layers (local spec, no flash attention, micro batch 1) timed "
         "per layer: forward, megatron's fused backward, our input-gradient B and deferred "
-        "weight-gradient W; and the share of the forward's saved activations W still keeps after "
-        "B. F : B : W = 1 : 1.39 : 0.35 at hidden 4096, seq 2048 is where the H100 costs above "
-        "come from.",
+        "weight-gradient W; and the share of the forward's saved activations that B frees (W "
+        "keeps the rest: the linear layers' inputs and output gradients). F : B : W = 1 : 1.39 "
+        ": 0.35 at hidden 4096, seq 2048 is where the H100 costs above come from, and the share "
+        f"B frees is where the memory model `{B_FREES}` comes from.",
         _render_bw_split, recorded=True),
 )
 _BY_NAME = {run.name: run for run in RUNS}
@@ -523,9 +552,10 @@ Schedule makespans, bubbles, peak memory and order digests are pure Python and t
 machine: `python scripts/bench/report.py --verify` re-computes every stored one with today's
 code, and the tests (`tests/test_benchmark_page.py`) re-compute a small subset and fail when
 this page is not what the stored results render. Timings are what the stored run measured, on
-the machine it names; runs on a shared machine vary by 10-25%. Results marked *recorded* come
-from a GPU or a solver run that cannot be repeated on a CPU machine; they are kept as they were
-reported.
+the machine it names. The CPU runs here shared two cores with other jobs (each names the load
+average when it started): their timings are up to several times what the same build takes on
+an idle machine, and vary by 10-25% from run to run. Results marked *recorded* come from a GPU
+and cannot be repeated on a CPU machine; they are kept as they were reported.
 
 Memory is counted in units of one microbatch's activations of one rank's whole layer share
 (1F1B's rank 0 holds p of them); costs `F,B,W,hop` are the pass times of one rank's whole layer
@@ -586,8 +616,15 @@ def main() -> int:
                         help="with --import: when it ran (default today)")
     args = parser.parse_args()
     if args.verify is not None:
-        differ = [line for name in (args.verify or list(_BY_NAME))
-                  for line in verify(_BY_NAME[name], args.cheap)]
+        differ = []
+        for run in (_BY_NAME[name] for name in args.verify or list(_BY_NAME)):
+            if run.remeasure is None:
+                print(f"{run.name}: timings or a solver run, not re-computed", file=sys.stderr)
+                continue
+            found = verify(run, args.cheap)
+            checked = sum(not args.cheap or run.cheap(row) for row in load(run)[1])
+            print(f"{run.name}: {checked} cases re-computed, {len(found)} differ", file=sys.stderr)
+            differ += found
         for line in differ:
             print(line, file=sys.stderr)
         return 1 if differ else 0

@@ -2,7 +2,7 @@
 
     python scripts/bench/schedule.py [--ranks 8 16 32 64] [--microbatches 32 128 512]
 
-Target (issue 2): p=64, m=512 under 2 s for any schedule.
+Target: p=64, m=512 under 2 s for any schedule.
 """
 import argparse
 import json

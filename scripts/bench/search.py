@@ -3,7 +3,7 @@
     python scripts/bench/search.py [--ranks 4 8 16 32] [--microbatches 16 64 256]
                                    [--costs 1,1.2,0.8,0.1] [--memory-limit 0.5] [--repeats 3]
 
-Targets (issue 3): under 1 s for p <= 16 and m <= 64; under 10 s for p = 32, m = 256.
+Targets: under 1 s for p <= 16 and m <= 64; under 10 s for p = 32, m = 256.
 Each run starts from a fresh cache (the search caches results per setting). ``search_s`` is the
 fastest of ``--repeats`` runs, ``search_s_median`` their median: on a shared 2-core machine one
 run varies by +-25%, and the fastest is the one least disturbed by its neighbours.
