@@ -59,9 +59,12 @@ class GpuSpec:
     """The same for the backward (FA2 about 250-300, FA3 and cuDNN 450-550 TFLOP/s)."""
 
     def __post_init__(self) -> None:
-        for name in ("peak_tflops", "memory_tbps", "kernel_overhead_us"):
-            if getattr(self, name) < 0 or (name != "kernel_overhead_us" and not getattr(self, name)):
+        for name in ("peak_tflops", "memory_tbps"):
+            if not getattr(self, name) > 0:
                 raise ValueError(f"gpu: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.kernel_overhead_us < 0:
+            raise ValueError(f"gpu: kernel_overhead_us must be >= 0, got "
+                             f"{self.kernel_overhead_us!r}")
         if self.sms < 1:
             raise ValueError(f"gpu: sms must be >= 1, got {self.sms!r}")
         for name in ("gemm_efficiency", "memory_efficiency", "flash_forward_efficiency",
