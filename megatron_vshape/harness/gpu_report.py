@@ -20,8 +20,8 @@ __all__ = ["MEMORY_TOLERANCE", "REPORT_KEYS", "PIPELINE_KEYS", "SCHEDULE_KEYS", 
 
 MEMORY_TOLERANCE = {"cpu": 0.25, "cuda": 0.10}
 """Largest |measured / predicted - 1| per rank. CPU: the tracker counts exactly what the
-planner's formulas count (tests/test_plan_memory.py holds them to 5%); 25% is the issue's bar
-for the check. CUDA: the issue's goal; the allocator also sees transients the formulas leave
+planner's formulas count (tests/test_plan_memory.py holds them to 5%); 25% is the check's
+bar. CUDA: the planner's accuracy on a GPU; the allocator also sees transients the formulas leave
 out (a backward's temporaries, receive buffers, fp32 logits), which the report makes visible."""
 
 REPORT_KEYS = ("command", "machine", "pipelines", "profiles", "passed", "wall_seconds")

@@ -74,8 +74,8 @@ def backward_leftover(pass_bytes, placement) -> dict[int, float]:
     (:attr:`.interpreter.StepResult.pass_bytes`). For every microbatch whose F and B both ran,
     F adds ``f`` bytes and B changes them by ``b`` (negative: what it frees), so ``f + b`` is
     still held for W; summed over the microbatches of a chunk, ``(f + b) / f`` is the chunk's
-    leftover, the ``-memory.weight`` of the schedule's memory model (issue 15's measurement;
-    an H100 run left 8-25%). Chunks with nothing measured are absent.
+    leftover, the ``-memory.weight`` of the schedule's memory model (an H100 run of
+    megatron-core layers left 8-25%). Chunks with nothing measured are absent.
     """
     forward: dict = {}
     backward: dict = {}

@@ -18,7 +18,7 @@ re-timed by our simulator and validated (``exact_makespan``).
 ``status`` OPTIMAL means no cool-down within the window is faster, given what starts before
 it; ``bound`` is the solver's lower bound otherwise. It measures the cool-down only: a faster
 schedule may need another warm-up or steady state (a window over the warm-up is the other
-half of the question; issue 15's notes). Without OR-Tools the script prints one
+half of the question). Without OR-Tools the script prints one
 ``{"skipped": ...}`` line and exits 0: OR-Tools is a research tool here, never a dependency.
 """
 import argparse
