@@ -100,3 +100,42 @@ def test_cooldown_gap_scales_times_to_integers_or_says_why():
     assert module.integer_scale([2.0, 3.0], "durations") == 1
     with pytest.raises(ValueError, match=r"durations \[0.3333333333333333\] need more than 6"):
         module.integer_scale([1 / 3], "durations")
+
+
+def _search_digest():
+    spec = importlib.util.spec_from_file_location("search_digest", BENCH / "search_digest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_search_digest_baseline_holds_at_its_smallest_points():
+    """The committed digest (docs/results/search_digest.jsonl) still describes the search at
+    p = 4, m = 8, H100 costs, default memory: same makespans, peaks and orders (the whole grid:
+    ``search_digest.py --out NEW`` then ``--compare``)."""
+    digest = _search_digest()
+    baseline = Path(__file__).resolve().parents[1] / "docs" / "results" / "search_digest.jsonl"
+    rows = digest.load(str(baseline))
+    cases = [c for c in digest.cases([4]) if c[1] == 8 and c[2] == digest.COSTS[0]
+             and c[3] == digest.MEMORY[0]]
+    assert len(cases) == 6
+    for case in cases:
+        row = digest.run_case(*case, steps=False)
+        old = rows[digest.key(row)]
+        assert (row["makespan"], row["peak"], row["orders_sha1"]) == (
+            old["makespan"], old["peak"], old["orders_sha1"]), row["case"]
+
+
+def test_search_digest_compare_fails_on_a_changed_order(tmp_path):
+    row = {"case": "v-min", "ranks": 4, "microbatches": 8, "costs": "1,1,1",
+           "memory_model": "1,0,-1", "makespan": 1.0, "peak": 2.0, "orders_sha1": "a",
+           "description": "x", "seconds": 1.0}
+    same, other = tmp_path / "same.jsonl", tmp_path / "other.jsonl"
+    same.write_text(json.dumps(row) + "\n")
+    other.write_text(json.dumps({**row, "orders_sha1": "b", "seconds": 2.0}) + "\n")
+    done = subprocess.run([sys.executable, str(BENCH / "search_digest.py"), "--compare",
+                           str(same), str(same)], capture_output=True, text=True, check=True)
+    assert "0 differences" in done.stdout and "+0.0%" in done.stdout
+    done = subprocess.run([sys.executable, str(BENCH / "search_digest.py"), "--compare",
+                           str(same), str(other)], capture_output=True, text=True)
+    assert done.returncode == 1 and "orders_sha1 differs" in done.stdout
