@@ -9,7 +9,7 @@ from megatron_vshape.schedule.model.actions import ScheduleError
 from megatron_vshape.schedule.search import critical_path_step
 from megatron_vshape.schedule.search.adaptive import _search_one
 from megatron_vshape.schedule.search.levels import clear_caches
-from megatron_vshape.schedule.search.critical_path_step import (STEP, faster_tail, step_description,
+from megatron_vshape.schedule.search.critical_path_step import (STEP, faster_tail, tail_step,
                                                                 tail_lines)
 from conftest import B_FREES, H100
 
@@ -53,9 +53,8 @@ def test_a_slower_tail_is_not_kept():
 
 def test_lines_by_memory_and_the_description():
     assert tail_lines(16, 16.0) == ("own",) and tail_lines(16, 12.0) == LINES
-    assert step_description("auto: x", "own") == f"auto: x, {STEP} (own line)"
-    assert step_description(f"auto: x, {STEP} (own line)", "first").endswith(
-        f"{STEP} (first line) again")
+    assert tail_step(("x",), "own") == f"{STEP} (own line)"
+    assert tail_step(("x", f"{STEP} (own line)"), "first") == f"{STEP} (first line) again"
 
 
 def test_a_deadlocking_tail_is_passed_over():

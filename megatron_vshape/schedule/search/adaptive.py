@@ -62,8 +62,11 @@ per (p, m, costs, limit, memory model).
 The constructions and the pruning are in constructions.py; the steps from the timed replay on,
 with the constants (``_FILLED``, ``_SLOT_SPREAD``, ...) that size them and what they were
 measured to buy, in improvements.py; the candidates the steps share, in pool.py. This module
-runs them in the order above, under a model that frees memory at B refines the default
-model's answer (freeing_at_b.py), and caches the result.
+holds the whole search as two tables: ``STEPS`` (name, gate, step, budget), run in order over
+one pool under one memory model, and ``ALSO_TRY`` around it (under a model that frees memory at
+B, the default model's answer first, refined under the model: freeing_at_b.py); then the
+winner's critical-path cool-down, and the cache. A candidate's provenance is the tuple of the
+steps that made it; descriptions are rendered from it, never parsed back.
 
 What the search does not reach (tests/test_search.py says why, with numbers): at V-Min's memory
 with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's (at p = 16 and large m
@@ -78,6 +81,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
@@ -85,16 +89,69 @@ from ..model.limits import memory_limit_units
 from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
-from .constructions import InfeasibleMemoryError, constructions, infeasible, wave_orders
+from .constructions import (InfeasibleMemoryError, below_v_half, continuous_blocks, family_blocks,
+                            fixed_blocks, none_fits, tries_wave, wave)
 from .freeing_at_b import freeing_nothing_at_b, refined_under
 from .gc_pause import collector_paused
-from .improvements import capped, final_budget, improve_winner, reshapes_and_polishes, replays
-from .pool import Pool
+from .improvements import (capped, defer_fastest, fill_fastest, fills_gaps, final_budget,
+                           polish_winner, polishes, relay_winner, relays, repeat_moves, repeats,
+                           replays)
+from .pool import Pool, describe
 from .critical_path_step import with_faster_tail
 
-__all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units"]
+__all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units",
+           "clear_cache"]
 
 _EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the search under one memory model: when its gate holds, it adds candidates
+    to the pool (pool.py), which keeps those within the limit; no step removes any."""
+
+    name: str
+    when: Callable[[Pool], bool]
+    run: Callable[[Pool], None]
+    budget: str
+    """How many candidates it adds at most, or passes timed (large schedules get less: the
+    constants in its module, improvements.py or constructions.py, say how much and why)."""
+
+
+def _always(pool: Pool) -> bool:
+    return True
+
+
+def _shapes(pool: Pool) -> bool:
+    return pool.shapes
+
+
+def _nothing_fits(pool: Pool) -> bool:
+    return not pool.candidates
+
+
+def _nothing_fits_untried(pool: Pool) -> bool:
+    return not pool.candidates and not tries_wave(pool)
+
+
+STEPS = (
+    #    name                  when                   run                budget
+    Step("fixed blocks",       _always,               fixed_blocks,      "3 (+2 slot-reordered)"),
+    Step("wave",               tries_wave,            wave,              "1"),
+    Step("family blocks",      _always,               family_blocks,     "6 closest under"),
+    Step("continuous blocks",  below_v_half,          continuous_blocks, "5 periods"),
+    Step("replay",             _always,               replays,           "4 x 2 slacks + 2 peaks"),
+    Step("re-lay",             _shapes,               relays,            "4 + finished, x 3"),
+    Step("polish",             _always,               polishes,          "3 x 100,000 passes"),
+    Step("wave, nothing fits", _nothing_fits_untried, wave,              "1"),
+    Step("none fits",          _nothing_fits,         none_fits,         "raises"),
+    Step("re-lay the winner",  _shapes,               relay_winner,      "1 x 4 shapes"),
+    Step("polish the winner",  _always,               polish_winner,     "600,000 passes"),
+    Step("W deferral",         _shapes,               defer_fastest,     "5 (+ a polish)"),
+    Step("gap fill",           fills_gaps,            fill_fastest,      "3 + 1 (+ a polish)"),
+    Step("repeated moves",     repeats,               repeat_moves,      "1,000,000 passes"),
+)
+"""The search under one memory model, in order (the module doc says what each buys)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +161,9 @@ class SearchResult:
     seconds: float
     candidates: int
     """How many candidates were timed."""
+    provenance: tuple[str, ...] = ()
+    """The steps that made the schedule, first to last; its description is rendered from them
+    (``_description``), never parsed back."""
 
 
 @collector_paused
@@ -118,33 +178,98 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
     on the last rank)."""
     costs = costs or Costs.build(ranks)
     limit = float(min(ranks, microbatches) if limit is None else limit)
-    return _search_cached(ranks, microbatches, costs, limit, memory, shapes)
+    return _search_cached(Problem(ranks, microbatches, costs, limit, memory, shapes))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What one search is asked: the setting, the limit in units, the memory model, and
+    whether the re-laid shapes and deferred W passes may be used (``search``'s ``shapes``)."""
+
+    ranks: int
+    microbatches: int
+    costs: Costs
+    limit: float
+    memory: MemoryModel
+    shapes: bool
+
+
+@dataclass(frozen=True)
+class AlsoTry:
+    """A step around the search under one model: when its gate holds, it adds answers, and
+    the fastest of all answers is kept (ties: the first)."""
+
+    name: str
+    when: Callable[[Problem, list], bool]
+    run: Callable[[Problem, list], list]
+
+
+def _frees_at_b(problem: Problem, found: list) -> bool:
+    return freeing_nothing_at_b(problem.memory) is not None
+
+
+def _none_found(problem: Problem, found: list) -> bool:
+    return not found
+
+
+def _refines(problem: Problem, found: list) -> bool:
+    return problem.shapes and _frees_at_b(problem, found)
+
+
+def _freeing_nothing(problem: Problem, found: list) -> list:
+    """The search under the model where B frees nothing, re-timed under the problem's
+    (freeing_at_b.py: what fits there fits here); nothing where nothing fits there."""
+    base = freeing_nothing_at_b(problem.memory)
+    try:
+        other = _search_cached(dataclasses.replace(problem, memory=base))
+    except InfeasibleMemoryError:
+        return []
+    return [dataclasses.replace(other, result=simulate(other.schedule, problem.costs,
+                                                       problem.memory))]
+
+
+def _under_the_model(problem: Problem, found: list) -> list:
+    return [_search_one(problem.ranks, problem.microbatches, problem.costs, problem.limit,
+                        problem.memory, problem.shapes)]
+
+
+def _refined_first(problem: Problem, found: list) -> list:
+    return _refined(found[0], problem.costs, problem.limit, problem.memory,
+                    freeing_nothing_at_b(problem.memory))
+
+
+ALSO_TRY = (
+    #       name                       when               run
+    AlsoTry("B frees nothing",         _frees_at_b,       _freeing_nothing),
+    AlsoTry("under the model",         _none_found,       _under_the_model),
+    AlsoTry("refined under the model", _refines,          _refined_first),
+)
+"""Around ``STEPS``: under a model whose B frees memory, the answer where B frees nothing
+first, the search under the model itself only where nothing fits there (freeing_at_b.py)."""
 
 
 @functools.lru_cache(maxsize=256)
-def _search_cached(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
-                   shapes: bool = True) -> SearchResult:
-    """The search under ``memory``; under a model whose B frees memory, the default model's
-    answer re-timed and refined under ``memory`` (freeing_at_b.py), the faster of them, and the
-    search under ``memory`` itself only where nothing fits when B frees nothing. Either way its
-    cool-down re-scheduled critical path first where faster (``_with_tail``), last."""
+def _search_cached(problem: Problem) -> SearchResult:
+    """The fastest of the ``ALSO_TRY`` answers, with its cool-down re-scheduled critical path
+    first where that is faster (``_with_tail``), last."""
     started = time.perf_counter()
-    base = freeing_nothing_at_b(memory)
-    if base is None:
-        best = _with_tail(_search_one(p, m, costs, limit, memory, shapes), costs, limit, memory,
-                          shapes)
-        return dataclasses.replace(best, seconds=time.perf_counter() - started)
-    try:
-        other = _search_cached(p, m, costs, limit, base, shapes)
-        found = [dataclasses.replace(other, result=simulate(other.schedule, costs, memory))]
-    except InfeasibleMemoryError:
-        found = [_search_one(p, m, costs, limit, memory, shapes)]
-    if shapes:
-        found.extend(_refined(found[0], costs, limit, memory, base))
+    found: list[SearchResult] = []
+    for also in ALSO_TRY:
+        if also.when(problem, found):
+            found.extend(also.run(problem, found))
     best = min(found, key=lambda r: round(r.result.makespan, 9))  # ties: the first
-    best = _with_tail(best, costs, limit, memory, shapes)
+    best = _with_tail(best, problem.costs, problem.limit, problem.memory, problem.shapes)
     return dataclasses.replace(best, seconds=time.perf_counter() - started,
                                candidates=sum(r.candidates for r in found))
+
+
+def clear_cache() -> None:
+    """Forget every cached search (benchmarks time each search from nothing)."""
+    _search_cached.cache_clear()
+
+
+def _description(provenance: tuple[str, ...], limit: float) -> str:
+    return f"auto: {describe(provenance)} (limit {limit:g} units)"
 
 
 def _with_tail(found: SearchResult, costs: Costs, limit: float, memory: MemoryModel,
@@ -154,10 +279,13 @@ def _with_tail(found: SearchResult, costs: Costs, limit: float, memory: MemoryMo
     if not shapes:
         return found
     tailed = with_faster_tail(found.schedule, costs, memory, limit, found.result.makespan,
-                              f" (limit {limit:g} units)")
+                              found.provenance)
     if tailed is None:
         return found
-    return dataclasses.replace(found, schedule=tailed, result=simulate(tailed, costs, memory))
+    orders, provenance = tailed
+    schedule = found.schedule.with_actions(orders, description=_description(provenance, limit))
+    return dataclasses.replace(found, schedule=schedule, result=simulate(schedule, costs, memory),
+                               provenance=provenance)
 
 
 def _refined(result: SearchResult, costs: Costs, limit: float, memory: MemoryModel,
@@ -167,40 +295,32 @@ def _refined(result: SearchResult, costs: Costs, limit: float, memory: MemoryMod
     chunks = schedule.placement.chunks
     cap = min(limit, max(peak_memory(schedule, base))) * chunks
     passes = sum(map(len, schedule.rank_actions))
-    head, _, tail = schedule.description.rpartition(" (limit")
     out = []
     for how, orders in refined_under(schedule, costs, memory, cap, capped(
             final_budget(schedule.placement.ranks, schedule.microbatches), passes)):
-        refined = schedule.with_actions(orders, description=f"{head}, {how} (limit{tail}")
-        out.append(SearchResult(refined, simulate(refined, costs, memory), 0.0, 1))
+        provenance = result.provenance + (how,)
+        refined = schedule.with_actions(orders, description=_description(provenance, limit))
+        out.append(SearchResult(refined, simulate(refined, costs, memory), 0.0, 1, provenance))
     return out
 
 
 def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
                 shapes: bool) -> SearchResult:
-    """The search under one memory model, in the module doc's order: the constructions, their
-    replays, re-lays and polishes, then what improves the winner (the moves repeated per
-    microbatch too, where improvements.py's ``_repeats``)."""
+    """The search under one memory model: the ``STEPS`` in order, the fastest candidate."""
     if not isinstance(p, int) or p < 2:
         raise ScheduleError(f"ranks must be an integer >= 2, got {p!r}")
     if not isinstance(m, int) or m < 1:
         raise ScheduleError(f"microbatches must be an integer >= 1, got {m!r}")
     started = time.perf_counter()
     pool = Pool(Placement(p, Layout.V), m, costs, limit, memory, shapes)
-    wave_tried, skipped = constructions(pool)
-    replays(pool)
-    reshapes_and_polishes(pool)
-    if not pool.candidates and not wave_tried:
-        # below every block it may still fit
-        pool.consider("V-ZB wave, cost-aware", functools.partial(wave_orders, pool))
-    if not pool.candidates:
-        raise infeasible(pool, skipped)
-    improve_winner(pool)
+    for step in STEPS:
+        if step.when(pool):
+            step.run(pool)
     winner = pool.fastest()
     schedule = Schedule("auto", pool.placement, m, winner.orders, memory_bound=limit,
-                        description=f"auto: {winner.description} (limit {limit:g} units)")
+                        description=_description(winner.provenance, limit))
     return SearchResult(schedule, simulate(schedule, costs, memory), time.perf_counter() - started,
-                        len(pool.candidates))
+                        len(pool.candidates), winner.provenance)
 
 
 @collector_paused

@@ -23,7 +23,8 @@ from ..model.schedule import Schedule
 from ..model.simulate import peak_memory
 from .pool import Pool
 
-__all__ = ["InfeasibleMemoryError", "constructions", "infeasible", "wave_orders"]
+__all__ = ["InfeasibleMemoryError", "WAVE", "fixed_blocks", "tries_wave", "wave", "family_blocks",
+           "below_v_half", "continuous_blocks", "none_fits", "infeasible", "wave_orders"]
 
 _FAMILY_BUDGET = 6
 _PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
@@ -41,6 +42,8 @@ none at V-Half's or 3p/4, and it costs about 0.3 s at p = 16, m = 64."""
 _EPS = 1e-9
 F, B = PassKind.F, PassKind.B
 _FIXED = (V_MIN, V_HALF, V_ZB)
+WAVE = ("V-ZB wave, cost-aware",)
+"""The wave's provenance (it is also the search's fallback where nothing else fits)."""
 
 
 class InfeasibleMemoryError(ScheduleError):
@@ -54,10 +57,10 @@ class InfeasibleMemoryError(ScheduleError):
         self.limit, self.smallest, self.schedule = limit, smallest, schedule
 
 
-def constructions(pool: Pool) -> tuple[bool, list]:
-    """The fixed blocks (also slot-reordered), the wave, the family blocks and the
-    continuous-offset blocks as candidates. Returns whether the wave was tried and the family
-    blocks skipped unprobed (``_family_within``)."""
+def fixed_blocks(pool: Pool) -> None:
+    """V-Min, V-Half and V-ZB as the paper builds them, V-Min and V-Half also slot-reordered;
+    a block that surely exceeds the limit is not built (``_named_over``), nor one whose next
+    larger block surely fits (``_outgrown``)."""
     p, m, limit, memory = pool.placement.ranks, pool.microbatches, pool.limit, pool.memory
     for family in _FIXED:
         if _named_over(family, p, m, limit, memory):  # its peak is known: skip the build
@@ -65,22 +68,50 @@ def constructions(pool: Pool) -> tuple[bool, list]:
             continue
         if _outgrown(family, p, limit):
             continue
-        pool.consider(f"{family.name} block", functools.partial(_named, family.name, p, m))
+        pool.consider((f"{family.name} block",), functools.partial(_named, family.name, p, m))
         if family is not V_ZB:
-            pool.consider(f"{family.name} block, slot-reordered",
+            pool.consider((f"{family.name} block", "slot-reordered"),
                           functools.partial(slot_reorder, family.build(p), m), replayable=False)
-    wave_tried = limit >= p - _EPS or 6 * p * m <= _WAVE_CHEAP_PASSES
-    if wave_tried:
-        pool.consider("V-ZB wave, cost-aware", functools.partial(wave_orders, pool),
-                      replayable=False)
-    skipped: list = []
-    for offsets, block in _family_within(p, m, limit, memory, pool.smallest, skipped):
-        pool.consider(f"V family block, {offsets.describe()}",
-                      functools.partial(compose, dataclasses.replace(block, memory_bound=limit), m))
-    for scale in () if _outgrown(V_MIN, p, limit) else _PERIOD_SCALES:
-        pool.consider(f"continuous-offset block, period x{scale:g}",
+
+
+def tries_wave(pool: Pool) -> bool:
+    """Whether the wave is a construction (``_WAVE_CHEAP_PASSES``); else it is only the
+    fallback where nothing else fits."""
+    p = pool.placement.ranks
+    return pool.limit >= p - _EPS or 6 * p * pool.microbatches <= _WAVE_CHEAP_PASSES
+
+
+def wave(pool: Pool) -> None:
+    """The V-ZB wave under the limit (wave.py), a finished order (not replayed)."""
+    pool.consider(WAVE, functools.partial(wave_orders, pool), replayable=False)
+
+
+def family_blocks(pool: Pool) -> None:
+    """The ``_FAMILY_BUDGET`` V family blocks closest under the limit (``_family_within``);
+    those skipped unprobed go to ``pool.skipped`` (the error message's)."""
+    p, m = pool.placement.ranks, pool.microbatches
+    for offsets, block in _family_within(p, m, pool.limit, pool.memory, pool.smallest,
+                                         pool.skipped):
+        block = dataclasses.replace(block, memory_bound=pool.limit)
+        pool.consider((f"V family block, {offsets.describe()}",),
+                      functools.partial(compose, block, m))
+
+
+def below_v_half(pool: Pool) -> bool:
+    """Whether V-Half's block does not surely fit (``_outgrown``): the continuous blocks' room."""
+    return not _outgrown(V_MIN, pool.placement.ranks, pool.limit)
+
+
+def continuous_blocks(pool: Pool) -> None:
+    """periodic.py's cost-aware blocks at the ``_PERIOD_SCALES`` periods."""
+    p, m = pool.placement.ranks, pool.microbatches
+    for scale in _PERIOD_SCALES:
+        pool.consider((f"continuous-offset block, period x{scale:g}",),
                       functools.partial(_periodic, p, m, pool.costs, scale))
-    return wave_tried, skipped
+
+
+def none_fits(pool: Pool) -> None:
+    raise infeasible(pool)
 
 
 def wave_orders(pool: Pool) -> tuple:
@@ -88,12 +119,13 @@ def wave_orders(pool: Pool) -> tuple:
     return _wave(pool.placement.ranks, pool.microbatches, pool.costs, pool.limit, pool.memory)
 
 
-def infeasible(pool: Pool, skipped: list) -> InfeasibleMemoryError:
+def infeasible(pool: Pool) -> InfeasibleMemoryError:
     """The error when nothing fits: the smallest peak of anything built, of the family blocks
     skipped unprobed and of the wave at the least it can keep."""
     p, m = pool.placement.ranks, pool.microbatches
     pool.smallest.extend((_probe_peak(block, m, pool.memory),
-                          f"V family block, {offsets.describe()}") for offsets, block in skipped)
+                          f"V family block, {offsets.describe()}")
+                         for offsets, block in pool.skipped)
     pool.smallest.extend(_least_wave(p, m, pool.costs, pool.memory))
     peak, description = min(pool.smallest)
     return InfeasibleMemoryError(pool.limit, peak, description)

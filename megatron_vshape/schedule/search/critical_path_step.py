@@ -19,10 +19,10 @@ from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of
 
-__all__ = ["STEP", "tail_lines", "faster_tail", "with_faster_tail", "step_description"]
+__all__ = ["STEP", "tail_lines", "faster_tail", "with_faster_tail", "tail_step"]
 
 STEP = "cool-down critical path first"
-"""How a description names the step (once per application: "again" marks a second one)."""
+"""How a provenance names the step (once per application: "again" marks a second one)."""
 _EPS = 1e-9
 
 
@@ -51,18 +51,16 @@ def faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: fl
 
 
 def with_faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: float,
-                     makespan: float, suffix: str) -> Schedule | None:
-    """``schedule`` with its fastest critical tail (``faster_tail``), or None where none beats
-    ``makespan``; its description names the step before ``suffix`` (the caller's "(limit ...)"
-    or "(level ...)", taken off the old description where it ends with it)."""
+                     makespan: float, provenance: tuple[str, ...]) -> tuple[tuple, tuple] | None:
+    """(orders, provenance) of ``schedule`` with its fastest critical tail (``faster_tail``),
+    the step added to ``provenance`` (``tail_step``), or None where none beats ``makespan``."""
     tail = faster_tail(schedule, costs, memory, limit, makespan)
     if tail is None:
         return None
-    head = schedule.description.removesuffix(suffix)
-    return schedule.with_actions(tail[1], description=step_description(head, tail[2]) + suffix)
+    return tail[1], provenance + (tail_step(provenance, tail[2]),)
 
 
-def step_description(head: str, line: str) -> str:
-    """``head`` with the step appended, "again" where ``head`` already names it."""
-    step = f"{STEP} ({line} line)"
-    return f"{head}, {step} again" if STEP in head else f"{head}, {step}"
+def tail_step(provenance: tuple[str, ...], line: str) -> str:
+    """The step as a provenance names it, "again" where ``provenance`` has it already."""
+    again = any(STEP in step for step in provenance)
+    return f"{STEP} ({line} line) again" if again else f"{STEP} ({line} line)"

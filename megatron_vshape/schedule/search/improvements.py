@@ -21,7 +21,8 @@ from ..model.placement import Placement
 from .local import Improved, improve, improve_repeated
 from .pool import Candidate, Pool, candidate_key, fastest_distinct, fresh
 
-__all__ = ["replays", "reshapes_and_polishes", "improve_winner", "final_budget", "capped"]
+__all__ = ["replays", "relays", "polishes", "relay_winner", "polish_winner", "defer_fastest",
+           "fills_gaps", "fill_fastest", "repeats", "repeat_moves", "final_budget", "capped"]
 
 _REPLAYS = 4
 _REPLAYS_LARGE = 3
@@ -125,57 +126,77 @@ def replays(pool: Pool) -> None:
                 if (base.orders, window, slack) in replayed:
                     continue
                 replayed.add((base.orders, window, slack))
-                pool.consider(f"{base.description}, replayed in time (window {window})",
+                pool.consider(base.provenance + (f"replayed in time (window {window})",),
                               functools.partial(replay_in_time, base.orders, pool.placement,
                                                 pool.costs, pool.cap + slack, pool.memory,
                                                 window, abandon_above=pool.cap))
 
 
-def reshapes_and_polishes(pool: Pool) -> None:
-    """The fastest candidates and the finished constructions re-laid, then the fastest of all
-    polished by the local search (adaptive.py's module doc)."""
+def relays(pool: Pool) -> None:
+    """The ``_RELAID`` fastest candidates and the finished constructions with their warm-up
+    and cool-down re-laid (reshape_ends.py); over ``_LARGE_PASSES`` the fastest alone."""
     large = _large(pool)  # a re-lay times the order twice
     finished = [] if large else [c for c in pool.candidates if not c.replayable]
     bases = fastest_distinct(pool.candidates, _RELAID_LARGE if large else _RELAID)
     starts = bases + fastest_distinct(finished, len(finished))
     for base in fresh(starts, pool.reshaped, pool.shapes):
         _reshape_ends(pool, base, int(base.peak * pool.placement.chunks + _EPS))
+
+
+def polishes(pool: Pool) -> None:
+    """The ``_POLISHED`` fastest candidates improved by the local search (local.py)."""
     for base in fastest_distinct(pool.candidates, _POLISHED):
-        pool.consider(f"{base.description}, polished",
+        pool.consider(base.provenance + ("polished",),
                       functools.partial(_polish, pool, base.orders, _POLISH_BUDGET))
 
 
-def improve_winner(pool: Pool) -> None:
-    """The winner so far re-laid (when a replay won) and polished once more; then the deferred
-    and the gap-filled candidates, each polished once more when one of them wins; last, at
-    V-Min's memory on small schedules, the moves repeated per microbatch."""
+def relay_winner(pool: Pool) -> None:
+    """The winner so far re-laid, where it was not yet (a replay or a block won), its
+    cool-down alone too."""
     winner = pool.fastest()
-    for base in fresh([winner], pool.reshaped, pool.shapes and "re-laid" not in winner.description):
-        _reshape_ends(pool, base, pool.full, cool_down_alone=True)  # a replay won
-        winner = pool.fastest()
-    _polish_further(pool, winner)
-    _then_polished(pool, functools.partial(_defer_fastest, pool, _FILLED if pool.shapes else 0))
-    _then_polished(pool, functools.partial(_fill_fastest, pool,
-                                           _GAPS_FILLED if _fills_gaps(pool) else 0))
-    if _repeats(pool.placement.ranks, pool.microbatches, pool.limit):
-        _repeat_moves(pool, pool.fastest())
+    for base in fresh([winner], pool.reshaped, pool.shapes and not _relaid(winner)):
+        _reshape_ends(pool, base, pool.full, cool_down_alone=True)
 
 
-def _repeats(p: int, m: int, limit: float) -> bool:
-    """Whether the search ends with the moves repeated per microbatch (``_REPEATED_PASSES``)."""
-    return limit <= V_MIN.memory_bound(p) + _EPS and 6 * p * m <= _REPEATED_PASSES
+def polish_winner(pool: Pool) -> None:
+    """The winner so far polished once more, with the larger budget (``final_budget``)."""
+    _polish_further(pool, pool.fastest())
 
 
-def _repeat_moves(pool: Pool, base: Candidate) -> None:
+def defer_fastest(pool: Pool) -> None:
+    """The ``_FILLED`` fastest with their W passes deferred; a winner among them polished."""
+    _then_polished(pool, functools.partial(_defer_fastest, pool, _FILLED))
+
+
+def fill_fastest(pool: Pool) -> None:
+    """The ``_GAPS_FILLED`` fastest with their bubbles filled, the best of them W-deferred;
+    a winner among them polished."""
+    _then_polished(pool, functools.partial(_fill_fastest, pool, _GAPS_FILLED))
+
+
+def repeat_moves(pool: Pool) -> None:
     """Last, the winner improved by moves repeated in every microbatch (local.py), as a
     candidate: so it only adds wins."""
-    pool.consider(f"{base.description}, moves repeated per microbatch",
+    base = pool.fastest()
+    pool.consider(base.provenance + ("moves repeated per microbatch",),
                   functools.partial(_repeated, pool, base.orders))
+
+
+def _relaid(candidate: Candidate) -> bool:
+    """Whether ``candidate``'s warm-up or cool-down was re-laid on its way."""
+    return any("re-laid" in step for step in candidate.provenance)
+
+
+def repeats(pool: Pool) -> bool:
+    """Whether the search ends with the moves repeated per microbatch (``_REPEATED_PASSES``)."""
+    p = pool.placement.ranks
+    return (pool.limit <= V_MIN.memory_bound(p) + _EPS
+            and 6 * p * pool.microbatches <= _REPEATED_PASSES)
 
 
 def _deferred(pool: Pool, base: Candidate) -> None:
     """``base`` with its W passes deferred within its own peak (weight_deferral.py), a candidate."""
-    pool.consider(f"{base.description}, W deferred",
+    pool.consider(base.provenance + ("W deferred",),
                   functools.partial(defer_weight_passes, base.orders, pool.placement, pool.costs,
                                     base.peak * pool.placement.chunks, pool.memory),
                   replayable=False)
@@ -191,14 +212,14 @@ def _fill_fastest(pool: Pool, count: int) -> None:
     of those with its W passes deferred."""
     before = len(pool.candidates)
     for base in fastest_distinct(pool.candidates, count):
-        pool.consider(f"{base.description}, gaps filled",
+        pool.consider(base.provenance + ("gaps filled",),
                       functools.partial(fill_gaps, pool.placement, base.orders, pool.memory),
                       replayable=False)
     for base in fastest_distinct(pool.candidates[before:], 1):
         _deferred(pool, base)
 
 
-def _fills_gaps(pool: Pool) -> bool:
+def fills_gaps(pool: Pool) -> bool:
     """Whether the search fills unit-slot bubbles (``_GAPS_FILLED``): not with ``shapes=False``,
     and only where F, B and W take about as long as each other, not at 1F1B's memory, or where
     the schedule is small (``_SLOT_SPREAD``, ``_GAPS_CHEAP_PASSES``)."""
@@ -264,7 +285,7 @@ def capped(budget: int, passes: int) -> int:
 def _polish_further(pool: Pool, base: Candidate) -> None:
     """The last polish, with the larger budget (``final_budget``), as a candidate."""
     budget = final_budget(pool.placement.ranks, pool.microbatches)
-    pool.consider(f"{base.description}, polished further",
+    pool.consider(base.provenance + ("polished further",),
                   functools.partial(_polish, pool, base.orders, budget))
 
 
@@ -274,13 +295,13 @@ def _reshape_ends(pool: Pool, base: Candidate, own: int, cool_down_alone: bool =
     limit's, and, for the winner of the replays, the cool-down alone."""
     full, placement = pool.full, pool.placement
     for peak in sorted({full, own}):
-        pool.consider(f"{base.description}, warm-up re-laid (peak {peak})",
+        pool.consider(base.provenance + (f"warm-up re-laid (peak {peak})",),
                       functools.partial(reshape_warm_up, placement, base.orders, peak),
                       replayable=False)
-    pool.consider(f"{base.description}, warm-up and cool-down re-laid (peak {full})",
+    pool.consider(base.provenance + (f"warm-up and cool-down re-laid (peak {full})",),
                   functools.partial(_reshape_both, placement, base.orders, full), replayable=False)
     if cool_down_alone:
-        pool.consider(f"{base.description}, cool-down re-laid (peak {full})",
+        pool.consider(base.provenance + (f"cool-down re-laid (peak {full})",),
                       functools.partial(reshape_cool_down, placement, base.orders, full),
                       replayable=False)
 

@@ -36,10 +36,11 @@ from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
 from ..names import MEMORY_LEVELS
 from ..model.simulate import makespan_of, peak_memory
-from .adaptive import _search_cached, search
+from .adaptive import clear_cache as clear_search_cache, search
 from .freeing_at_b import freeing_nothing_at_b
 from .gc_pause import collector_paused
 from .local import improve
+from .pool import describe
 from .critical_path_step import with_faster_tail
 
 __all__ = ["memory_level", "fastest_at_level", "clear_caches"]
@@ -70,38 +71,47 @@ def fastest_at_level(name: str, ranks: int, microbatches: int, costs: Costs | No
                      memory: MemoryModel = MemoryModel()) -> Schedule:
     """The fastest order found for ``name`` at its memory level (module doc)."""
     costs = costs or Costs.build(ranks)
-    return _fastest_cached(name, ranks, microbatches, costs, memory)
+    return _fastest_cached(name, ranks, microbatches, costs, memory)[0]
 
 
 @functools.lru_cache(maxsize=128)
-def _fastest_cached(name: str, p: int, m: int, costs: Costs, memory: MemoryModel) -> Schedule:
+def _fastest_cached(name: str, p: int, m: int, costs: Costs,
+                    memory: MemoryModel) -> tuple[Schedule, tuple[str, ...]]:
+    """(schedule, provenance): the fastest for ``name`` under ``memory`` and the steps that
+    made it (its description is rendered from them, ``_description``)."""
     level = memory_level(name, p)
     paper = paper_schedule(name, p, m)
     if name == "zb-1p":
         orders, how = _fastest_zb(paper, costs, memory, level)
     else:
         found = search(p, m, costs, level, memory)
-        orders = found.schedule.rank_actions
-        how = found.schedule.description.removeprefix("auto: ").rsplit(" (limit", 1)[0]
-    chosen = paper.with_actions(orders, memory_bound=level,
-                                description=f"{name}: {how} (level {level:g} units)")
-    candidates = [chosen, paper]  # the search's candidates include the paper's: a guard
+        orders, how = found.schedule.rank_actions, found.provenance
+    chosen = (paper.with_actions(orders, memory_bound=level,
+                                 description=_description(name, how, level)), how)
+    candidates = [chosen, (paper, (paper.description,))]  # the search has the paper's: a guard
     base = freeing_nothing_at_b(memory)
     if base is not None:  # what fits when B frees nothing fits here too
         candidates.append(_fastest_cached(name, p, m, costs, base))
-    best, best_time = chosen, makespan_of(chosen, costs)
+    best, best_time = chosen, makespan_of(chosen[0], costs)
     for other in candidates[1:]:
-        makespan = makespan_of(other, costs)
+        makespan = makespan_of(other[0], costs)
         if makespan < best_time - _EPS:
             best, best_time = other, makespan
     if name == "zb-1p" or best is chosen:  # the search re-scheduled its cool-down already
         return best
-    tailed = with_faster_tail(best, costs, memory, level, best_time, f" (level {level:g} units)")
-    return best if tailed is None else tailed
+    tailed = with_faster_tail(best[0], costs, memory, level, best_time, best[1])
+    if tailed is None:
+        return best
+    orders, how = tailed
+    return best[0].with_actions(orders, description=_description(name, how, level)), how
+
+
+def _description(name: str, provenance: tuple[str, ...], level: float) -> str:
+    return f"{name}: {describe(provenance)} (level {level:g} units)"
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):
-    """(orders, description) of the fastest one-chunk order within ``level`` units."""
+    """(orders, provenance) of the fastest one-chunk order within ``level`` units."""
     placement, m = paper.placement, paper.microbatches
     cap = level * placement.chunks
     starts = [("paper order", paper.rank_actions)]
@@ -116,15 +126,16 @@ def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float
         if max(peak_memory(paper.with_actions(orders), memory)) > level + _EPS:
             continue
         polished = improve(placement, m, orders, costs, cap, memory, _ZB_POLISH_BUDGET)
-        for label, candidate in ((how, orders), (f"{how}, polished", polished.orders)):
+        for steps, candidate in (((how,), orders), ((how, "polished"), polished.orders)):
             makespan = makespan_of(paper.with_actions(candidate), costs)
             if best is None or makespan < best[0] - _EPS:
-                best = (makespan, candidate, label)
+                best = (makespan, candidate, steps)
     return best[1], best[2]
 
 
 def clear_caches() -> None:
     """Forget every cached result: named levels, searches and the blocks built in slots.
     Benchmarks call it so that each timed build starts from nothing."""
-    for cached in (_fastest_cached, _search_cached, compose, repeat, slot_reorder):
+    clear_search_cache()
+    for cached in (_fastest_cached, compose, repeat, slot_reorder):
         cached.cache_clear()

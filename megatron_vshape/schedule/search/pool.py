@@ -21,7 +21,7 @@ from ..model.schedule import Schedule
 from ..model.simulate import makespan_of, peak_memory
 from .local import Improved
 
-__all__ = ["Candidate", "Pool", "TIMED", "candidate_key", "fastest_distinct", "fresh"]
+__all__ = ["Candidate", "Pool", "TIMED", "candidate_key", "describe", "fastest_distinct", "fresh"]
 
 _EPS = 1e-9
 
@@ -34,7 +34,8 @@ the same dataflow, rounded to 1e-9 by local.py, as ``candidate_key`` rounds it).
 class Candidate:
     """One order the search built, within the limit, with its peak (units) and makespan."""
 
-    description: str
+    provenance: tuple[str, ...]
+    """The steps that made it, first to last (``describe`` renders them; never parsed)."""
     orders: tuple
     peak: float
     makespan: float
@@ -43,6 +44,10 @@ class Candidate:
     replayable: bool = True
     """Whether the replays may start from it (adaptive.py's module doc: not the finished
     constructions)."""
+
+    @property
+    def description(self) -> str:
+        return describe(self.provenance)
 
 
 @dataclass
@@ -59,6 +64,8 @@ class Pool:
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
     smallest: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     """(peak, description) of every order built, within the limit or not."""
+    skipped: list = dataclasses.field(default_factory=list)
+    """(offsets, block) of the family blocks skipped unprobed (constructions.py)."""
     reshaped: set = dataclasses.field(default_factory=set)
     """The orders whose warm-up and cool-down were already re-laid (``fresh``)."""
     peaks: dict = dataclasses.field(default_factory=dict)
@@ -78,7 +85,7 @@ class Pool:
         """The limit in whole chunk-activations: the peak the re-lays lay out to."""
         return int(self.cap + _EPS)
 
-    def consider(self, description: str, build: Callable[[], tuple | Replay | Improved],
+    def consider(self, provenance: tuple[str, ...], build: Callable[[], tuple | Replay | Improved],
                  replayable: bool = True) -> None:
         """Builds a candidate and keeps it when it fits the limit and its orders run; a
         construction that cannot be built (ScheduleError) adds nothing. A replay and the local
@@ -91,13 +98,13 @@ class Pool:
         timed = isinstance(built, TIMED)
         orders = built.orders if timed else built
         peak = self._peak(orders)
-        self.smallest.append((peak, description))
+        self.smallest.append((peak, describe(provenance)))
         if peak > self.limit + _EPS:
             return
         makespan = built.makespan if timed else self._makespan(orders)
         if makespan is None:  # a re-laid warm-up can deadlock across ranks
             return
-        self.candidates.append(Candidate(description, orders, peak, makespan,
+        self.candidates.append(Candidate(provenance, orders, peak, makespan,
                                          len(self.candidates), replayable))
 
     def _peak(self, orders) -> float:
@@ -121,6 +128,11 @@ class Pool:
     def fastest(self) -> Candidate:
         """The winner so far (``candidate_key``)."""
         return min(self.candidates, key=candidate_key)
+
+
+def describe(provenance: tuple[str, ...]) -> str:
+    """A provenance in words: its steps, first to last."""
+    return ", ".join(provenance)
 
 
 def candidate_key(candidate: Candidate) -> tuple:
