@@ -1,6 +1,7 @@
 """Issue 15: unit-slot bubbles filled without raising the peak (rewrite/gap_fill.py), the paper
 code's last reordering step, and the points of the reference's adaptive search it lets ``auto``
 reach."""
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -81,11 +82,12 @@ def test_auto_reaches_the_reference_at_v_min_limit(p, m, comm, limit, reference)
 def test_gap_fill_keeps_its_wins_off_the_v_zb_level(costs, m, limit, filled, unfilled,
                                                     monkeypatch):
     """Over 2,000 passes (p = 16) the fill wins at 3p/4 units, at spread 1.5 and above 1F1B's
-    memory (improvements._SLOT_SPREAD's docstring): the rule that runs it must keep those."""
+    memory (settings.py's slot_spread): the rule that runs it must keep those."""
     costs = Costs.build(16, *costs[:3], comm=costs[3])
     adaptive._search_cached.cache_clear()
     assert search(16, m, costs, float(limit)).result.makespan == pytest.approx(filled)
-    monkeypatch.setattr(improvements, "_GAPS_FILLED", 0)
+    monkeypatch.setattr(improvements, "SETTINGS",
+                        dataclasses.replace(improvements.SETTINGS, gaps_filled=0))
     adaptive._search_cached.cache_clear()
     assert search(16, m, costs, float(limit)).result.makespan == pytest.approx(unfilled)
     adaptive._search_cached.cache_clear()  # not the unfilled answer for later tests
@@ -99,7 +101,7 @@ def test_gap_fill_keeps_its_wins_off_the_v_zb_level(costs, m, limit, filled, unf
 def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs, limit, fills,
                                                                      monkeypatch):
     """The fill counts every pass as one slot, so over 2,000 passes the search runs it only
-    where F, B and W are within 2x of each other (improvements._SLOT_SPREAD), and not at
+    where F, B and W are within 2x of each other (settings.py's slot_spread), and not at
     exactly 1F1B's memory (V-ZB's level, where it never won): not at the H100 costs, nor at
     p units; on a small schedule (p = 4, m = 8: 192 passes) always."""
     calls = []

@@ -41,9 +41,9 @@ Candidates, all V-shaped (two chunks per rank):
                      (costs 2,2,2 at V-Min's limit, p = 16, hop 0.1, m = 16: 169.4 -> 169.0,
                      the reference's); left out with ``shapes=False`` and, over 2,000 passes,
                      at exactly 1F1B's memory or where F, B and W differ by over 2x
-                     (improvements.py's ``_SLOT_SPREAD``)
+                     (settings.py's ``slot_spread``)
     repeated moves   at V-Min's memory or less and at most 768 passes, the winner improved by
-                     local.py's moves made in every microbatch at once (``_REPEATED_PASSES``)
+                     local.py's moves made in every microbatch at once (``repeated_passes``)
     critical tail    last, the winner's cool-down re-scheduled critical path first
                      (critical_path_step.py), kept where faster: at the H100 costs (2, 2.78,
                      0.7, hop 0.05) and p = 16 it gains 0.2-1.1% at limits from V-Min's to 12 units
@@ -55,18 +55,19 @@ is within the limit; the one with the smallest makespan wins (ties: less memory,
 above, so results are deterministic). Pruning: a family block whose lifespans alone exceed the
 limit is skipped (lifespan / interval bounds the memory from below, paper section 4); the others'
 memory is read off a short repeat (steady state is reached after a lifespan's worth of
-microbatches) before anything else is built, and only the ``_FAMILY_BUDGET`` family blocks
+microbatches) before anything else is built, and only the ``family_budget`` family blocks
 closest under the limit are built in full: more memory buys fewer bubbles. Results are cached
 per (p, m, costs, limit, memory model).
 
 The constructions and the pruning are in constructions.py; the steps from the timed replay on,
-with the constants (``_FILLED``, ``_SLOT_SPREAD``, ...) that size them and what they were
-measured to buy, in improvements.py; the candidates the steps share, in pool.py. This module
-holds the whole search as two tables: ``STEPS`` (name, gate, step, budget), run in order over
-one pool under one memory model, and ``ALSO_TRY`` around it (under a model that frees memory at
-B, the default model's answer first, refined under the model: freeing_at_b.py); then the
-winner's critical-path cool-down, and the cache. A candidate's provenance is the tuple of the
-steps that made it; descriptions are rendered from it, never parsed back.
+in improvements.py; the constants that size every step (``filled``, ``slot_spread``, ...) and
+what they were measured to buy, in settings.py; the candidates the steps share, in pool.py.
+This module holds the whole search as two tables: ``STEPS`` (name, gate, step, budget), run
+in order over one pool under one memory model, and ``ALSO_TRY`` around it (under a model that
+frees memory at B, the default model's answer first, refined under the model:
+freeing_at_b.py); then the winner's critical-path cool-down, and the cache. A candidate's
+provenance is the tuple of the steps that made it; descriptions are rendered from it, never
+parsed back.
 
 What the search does not reach (tests/test_search.py says why, with numbers): at V-Min's memory
 with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's (at p = 16 and large m

@@ -22,23 +22,11 @@ from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import peak_memory
 from .pool import Pool
+from .settings import SETTINGS
 
 __all__ = ["InfeasibleMemoryError", "WAVE", "fixed_blocks", "tries_wave", "wave", "family_blocks",
            "below_v_half", "continuous_blocks", "none_fits", "infeasible", "wave_orders"]
 
-_FAMILY_BUDGET = 6
-_PERIOD_SCALES = (1.0, 1.1, 1.2, 1.35, 1.5)
-"""The continuous-offset blocks' periods, as multiples of a rank's compute per microbatch: a
-longer period holds fewer microbatches in flight, so the five give blocks at several memory
-levels below the tightest one's, and those over the limit drop out. Over p 4 and 8, m 2p and 4p,
-the costs 2,2.78,0.7,0.05 / 1,1.2,0.8,0.1 / 2,2,2,0.1 and the limits V-Min's, V-Half's and 3p/4
-(36 searches) the tightest period alone lost at one point (0.6%); 1.0, 1.2 and 1.5 alone gave
-the same makespans as the five, and 1.75 and 2.0 added nothing."""
-_WAVE_CHEAP_PASSES = 2_000
-"""The wave is tried at 1F1B's memory, where it wins (V-ZB), and below it only when it is cheap
-(at most this many passes) or nothing else fits: over p 4-16, m 8 and 32, three cost ratios,
-two hop times and both memory models it won 42 of 72 points at p units, 2 of 72 at V-Min's and
-none at V-Half's or 3p/4, and it costs about 0.3 s at p = 16, m = 64."""
 _EPS = 1e-9
 F, B = PassKind.F, PassKind.B
 _FIXED = (V_MIN, V_HALF, V_ZB)
@@ -75,10 +63,10 @@ def fixed_blocks(pool: Pool) -> None:
 
 
 def tries_wave(pool: Pool) -> bool:
-    """Whether the wave is a construction (``_WAVE_CHEAP_PASSES``); else it is only the
+    """Whether the wave is a construction (``wave_cheap_passes``); else it is only the
     fallback where nothing else fits."""
     p = pool.placement.ranks
-    return pool.limit >= p - _EPS or 6 * p * pool.microbatches <= _WAVE_CHEAP_PASSES
+    return pool.limit >= p - _EPS or 6 * p * pool.microbatches <= SETTINGS.wave_cheap_passes
 
 
 def wave(pool: Pool) -> None:
@@ -87,7 +75,7 @@ def wave(pool: Pool) -> None:
 
 
 def family_blocks(pool: Pool) -> None:
-    """The ``_FAMILY_BUDGET`` V family blocks closest under the limit (``_family_within``);
+    """The ``family_budget`` V family blocks closest under the limit (``_family_within``);
     those skipped unprobed go to ``pool.skipped`` (the error message's)."""
     p, m = pool.placement.ranks, pool.microbatches
     for offsets, block in _family_within(p, m, pool.limit, pool.memory, pool.smallest,
@@ -103,9 +91,9 @@ def below_v_half(pool: Pool) -> bool:
 
 
 def continuous_blocks(pool: Pool) -> None:
-    """periodic.py's cost-aware blocks at the ``_PERIOD_SCALES`` periods."""
+    """periodic.py's cost-aware blocks at the ``period_scales`` periods."""
     p, m = pool.placement.ranks, pool.microbatches
-    for scale in _PERIOD_SCALES:
+    for scale in SETTINGS.period_scales:
         pool.consider((f"continuous-offset block, period x{scale:g}",),
                       functools.partial(_periodic, p, m, pool.costs, scale))
 
@@ -176,7 +164,7 @@ def _periodic(p: int, m: int, costs: Costs, scale: float) -> tuple:
 
 def _family_within(p: int, m: int, limit: float, memory: MemoryModel, smallest: list,
                    skipped: list):
-    """Family blocks whose steady-state memory fits, the ``_FAMILY_BUDGET`` largest first.
+    """Family blocks whose steady-state memory fits, the ``family_budget`` largest first.
 
     A block whose lifespans alone exceed the limit (:func:`_lifespan_bound`) is not probed;
     it goes to ``skipped``, whose exact peaks matter only when nothing fits (the error message).
@@ -194,7 +182,7 @@ def _family_within(p: int, m: int, limit: float, memory: MemoryModel, smallest: 
         if peak <= limit + _EPS:
             fitting.append((-peak, offsets, block))
     fitting.sort(key=lambda x: (x[0], x[1]))
-    return [(offsets, block) for _, offsets, block in fitting[:_FAMILY_BUDGET]]
+    return [(offsets, block) for _, offsets, block in fitting[:SETTINGS.family_budget]]
 
 
 def _steady_microbatches(block) -> int:

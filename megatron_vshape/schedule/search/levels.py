@@ -6,9 +6,8 @@ activation memory, not for one particular order. So each name stands for a limit
     v-min    (p + 4) // 3 units      V layout     the adaptive search under that limit
     v-half   (p + 2) // 2 units      V layout     (its candidates include the paper's order,
     v-zb     p units                 V layout      so a name is never slower than the paper's)
-    zb-1p    p units                 one chunk    the paper's order, cost-aware greedy orders
-                                                  (construct/greedy.py), each polished by the local
-                                                  search; the fastest kept
+    zb-1p    p units                 one chunk    the paper's order and cost-aware greedy orders
+                                                  (construct/greedy.py); the fastest kept
 
 The search re-schedules its answer's cool-down critical path first (search/critical_path_step.py),
 kept where that is faster (at p = 16 it is: v-min at m = 64 and the H100 costs 615.36 -> 612.75);
@@ -39,7 +38,6 @@ from ..model.simulate import makespan_of, peak_memory
 from .adaptive import clear_cache as clear_search_cache, search
 from .freeing_at_b import freeing_nothing_at_b
 from .gc_pause import collector_paused
-from .local import improve
 from .pool import describe
 from .critical_path_step import with_faster_tail
 
@@ -50,12 +48,6 @@ _ZB_POLICIES = (Policy(), Policy(ranked_warm_up=True, alternate=True))
 """The greedy's policies for one chunk: between them the fastest of all 64 policies of
 construct/greedy.py on every point of the reference comparison grid (p 4-16, m 8-64, two cost
 ratios, three hop times)."""
-_ZB_POLISH_BUDGET = 100_000
-"""Passes the local search may time per zb-1p start: the adaptive search's budget per polish
-(improvements.py's ``_POLISH_BUDGET``). Over p 4-16, m 2p-8p and the costs 2,2.78,0.7,0.05 /
-1,1.2,0.8,0.1 / 2,2,2,0.1 (27 builds) every budget from 25,000 to 400,000 gives the same
-makespans; the search spends its whole budget, so the time grows with it (1.4 s for the 27 at
-25,000, 2.3 s at 100,000, 6.5 s at 400,000)."""
 _EPS = 1e-9
 
 
@@ -111,7 +103,13 @@ def _description(name: str, provenance: tuple[str, ...], level: float) -> str:
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):
-    """(orders, provenance) of the fastest one-chunk order within ``level`` units."""
+    """(orders, provenance) of the fastest one-chunk order within ``level`` units.
+
+    The orders are not polished by the local search: it never won. Over 220 builds (p 4 and 8
+    at m = p to 8p, p 16 at m 16-64; costs 2,2,2 and 2,2.4,1.6 at hops 0, 0.1 and 0.5,
+    2,2.78,0.7,0.05, 1,1.2,0.8,0.1, 1,1.39,0.35,0.05 and 1,1,1; both memory models) and the 48
+    zb-1p points of scripts/bench/search_digest.py a polish of 100,000 passes per start made no
+    order faster, and it took three quarters of those builds' time (23.5 s, 6.2 s without)."""
     placement, m = paper.placement, paper.microbatches
     cap = level * placement.chunks
     starts = [("paper order", paper.rank_actions)]
@@ -125,11 +123,9 @@ def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float
     for how, orders in starts:
         if max(peak_memory(paper.with_actions(orders), memory)) > level + _EPS:
             continue
-        polished = improve(placement, m, orders, costs, cap, memory, _ZB_POLISH_BUDGET)
-        for steps, candidate in (((how,), orders), ((how, "polished"), polished.orders)):
-            makespan = makespan_of(paper.with_actions(candidate), costs)
-            if best is None or makespan < best[0] - _EPS:
-                best = (makespan, candidate, steps)
+        makespan = makespan_of(paper.with_actions(orders), costs)
+        if best is None or makespan < best[0] - _EPS:
+            best = (makespan, orders, (how,))
     return best[1], best[2]
 
 
