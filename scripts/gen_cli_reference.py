@@ -4,7 +4,7 @@
 
 Every subcommand's help page (usage, description, options, examples) as
 ``megatron_vshape.cli.build_parser()`` formats it, at 100 columns. ``--check`` changes nothing
-and exits 1 when docs/cli.md is not what this writes (tests/test_cli_reference.py). argparse's
+and exits 1 when docs/cli.md is not what this writes (tests/cli/test_cli_reference.py). argparse's
 layout changes between Python versions (3.13 prints ``-o, --output OUTPUT``), so the page names
 the version that wrote it and the test compares only under that version.
 """

@@ -13,7 +13,7 @@ fence::
 This script runs each marked command (in this process, through ``megatron_vshape.cli.main``,
 without progress output) and writes its standard output into the block. ``--check`` changes
 nothing and exits 1 when a block differs from what its command prints now, apart from the
-planner's own run time ("in 2.3 s"), which differs from run to run; tests/test_doc_outputs.py
+planner's own run time ("in 2.3 s"), which differs from run to run; tests/docs/test_doc_outputs.py
 runs it that way. Default documents: every docs/*.md that has a marked block.
 """
 from __future__ import annotations

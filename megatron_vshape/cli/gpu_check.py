@@ -5,7 +5,7 @@ one call and lands in ``--output``: ``report.json`` and ``report.md`` (the pipel
 schedule against 1F1B and the planner, :mod:`..harness.gpu_check`), and on CUDA (not
 ``--tiny``) per-layer profiles of the paper's models (``cuda-<model>-s<S>.yaml``,
 :mod:`.gpu_profiles`). ``--device cpu --tiny`` is the same command on the CPU, run in CI
-(tests/test_gpu_check.py), so the GPU path cannot rot between loans.
+(tests/harness/test_gpu_check.py), so the GPU path cannot rot between loans.
 """
 from __future__ import annotations
 

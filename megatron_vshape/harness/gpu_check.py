@@ -15,7 +15,7 @@ CPU and CUDA run the same code; only device, dtype and sizes differ (:func:`chec
   not). Peak bytes are the CUDA caching allocator's peak allocated during a step minus what was
   allocated when it began (weights and their preallocated gradients), per process.
 - CPU: :func:`.cpu.install_cpu_shims`; peak bytes are the runtime's
-  :class:`..runtime.memory.ActivationTracker` (what tests/test_plan_memory.py and ``vshape demo``
+  :class:`..runtime.memory.ActivationTracker` (what tests/plan/test_plan_memory.py and ``vshape demo``
   measure). The tracker runs on CUDA too and is reported beside the allocator's peak.
 
 The reference is our runtime's 1F1B, not megatron's own: megatron's p2p would need NCCL here.
@@ -84,7 +84,7 @@ class CheckSettings:
     """``cpu`` or ``cuda`` (every rank on the one GPU, ``cuda:0``)."""
     dtype: str = "float32"
     """``float32`` or ``bfloat16``. The CLI runs bf16 on CUDA only; bf16 on the CPU checks the
-    GPU's dtype path without a GPU (tests/test_gpu_check.py)."""
+    GPU's dtype path without a GPU (tests/harness/test_gpu_check.py)."""
     ranks: int = 4
     microbatches: int = 8
     micro_batch_size: int = 2

@@ -1,7 +1,7 @@
 """``vshape gpu-check``'s report: the pipeline runs compared with the reference and the planner.
 
 Pure data in, plain dicts out (``report.json``) and a markdown page (``report.md``), so the
-report's assembly is tested on machines without a GPU (tests/test_gpu_check.py) and whatever a
+report's assembly is tested on machines without a GPU (tests/harness/test_gpu_check.py) and whatever a
 lent GPU sends back is read the same way. Keys, per pipeline run (one per dtype)::
 
     device, dtype, memory_measure, loss_tolerance, memory_tolerance, model, ranks,
@@ -20,7 +20,7 @@ __all__ = ["MEMORY_TOLERANCE", "REPORT_KEYS", "PIPELINE_KEYS", "SCHEDULE_KEYS", 
 
 MEMORY_TOLERANCE = {"cpu": 0.25, "cuda": 0.10}
 """Largest |measured / predicted - 1| per rank. CPU: the tracker counts exactly what the
-planner's formulas count (tests/test_plan_memory.py holds them to 5%); 25% is the check's
+planner's formulas count (tests/plan/test_plan_memory.py holds them to 5%); 25% is the check's
 bar. CUDA: the planner's accuracy on a GPU; the allocator also sees transients the formulas leave
 out (a backward's temporaries, receive buffers, fp32 logits), which the report makes visible."""
 

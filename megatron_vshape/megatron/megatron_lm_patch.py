@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED = ("Megatron-LM tag core_v0.16.1 with megatron-core 0.16.x, or Megatron-LM's "
              "0.19-era training code (main at 54045a510b80) with megatron-core 0.19.2")
-"""The training loops this plugin is tested in (tests/test_megatron_lm_e2e.py, _019.py)."""
+"""The training loops this plugin is tested in (tests/megatron/test_megatron_lm_e2e.py, _019.py)."""
 
 _VALIDATE_ARGS_CALLERS = ("megatron.training.initialize", "megatron.training.arguments")
 """Modules whose code calls ``validate_args`` by its module-global name: core_v0.16.1's

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 _AUTO_RETRIES = 2
 _PROBE = 3
 """Every fixed schedule reaches its peak memory within its first 3p microbatches (warm-up and
-one steady-state period; tests/test_plan.py checks it), so memory is checked on a schedule of
+one steady-state period; tests/plan/test_plan.py checks it), so memory is checked on a schedule of
 min(m, 3p) microbatches and the full one is built only for configurations that fit."""
 
 

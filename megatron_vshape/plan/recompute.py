@@ -15,7 +15,7 @@ plugin's B/W split, W keeps every linear layer's input and output gradient after
 was recomputed, so a V or ZB schedule with full recomputation keeps several times 1F1B-R's
 bytes (measured on configs/models/tiny.yaml, PP = 4: V-Half 1.4 to 2.9 x per rank) and is
 slower: it is never the point to pick (it trains correctly, bit-identical to megatron's
-1F1B-R: tests/test_megatron_gloo.py; only its memory makes it pointless). Selective recomputation applies to every schedule; with
+1F1B-R: tests/megatron/test_megatron_gloo.py; only its memory makes it pointless). Selective recomputation applies to every schedule; with
 flash attention the fused kernel keeps only its softmax statistics already, so the plan
 evaluates it only without flash attention.
 """

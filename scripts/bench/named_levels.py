@@ -11,7 +11,7 @@ a digest of its orders (``orders_sha1``): two runs that print the same digests b
 orders, which is how a speed-up is checked to change nothing; and its steady state
 (``steady_per_microbatch``: how far apart rank 0 starts its stage-0 forwards over the middle half
 of the microbatches), to compare with the fastest steady state a block allows
-(tests/test_search_bound.py); and ``floor_vs_1f1b``, the lower bound for any schedule within the
+(tests/schedule/test_search_bound.py); and ``floor_vs_1f1b``, the lower bound for any schedule within the
 name's memory level (schedule/search/bounds.py: compute, Little's law, fill and drain).
 Targets: v-half <= 1.0 x 1F1B (goal 0.95), v-min <= 1.10 x, v-zb <= 0.92 x; a named schedule
 under 0.5 s for p <= 16, m <= 64 (on an idle machine).

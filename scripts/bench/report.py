@@ -17,7 +17,7 @@ which fields of a case are deterministic (schedule makespans, bubbles, peaks, or
 pure Python, the same on any machine) and how the page shows it.
 
 ``--verify`` re-computes the deterministic fields of the stored cases with today's code and
-names every case that differs; ``--cheap`` keeps to the small cases (tests/test_benchmark_page.py
+names every case that differs; ``--cheap`` keeps to the small cases (tests/docs/test_benchmark_page.py
 runs that). Timings are never re-measured by the page: they are what the stored run measured.
 """
 from __future__ import annotations
@@ -550,7 +550,7 @@ benchmark again and rewrites its file and this page.
 
 Schedule makespans, bubbles, peak memory and order digests are pure Python and the same on any
 machine: `python scripts/bench/report.py --verify` re-computes every stored one with today's
-code, and the tests (`tests/test_benchmark_page.py`) re-compute a small subset and fail when
+code, and the tests (`tests/docs/test_benchmark_page.py`) re-compute a small subset and fail when
 this page is not what the stored results render. Timings are what the stored run measured, on
 the machine it names. The CPU runs here shared two cores with other jobs (each names the load
 average when it started): their timings are up to several times what the same build takes on

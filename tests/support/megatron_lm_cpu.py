@@ -1,6 +1,6 @@
 """CPU patches of Megatron-LM's training code, for the real-loop test tiers only.
 
-``tests/test_megatron_lm_e2e.py`` (tag core_v0.16.1) and ``tests/test_megatron_lm_019.py`` (the
+``tests/megatron/test_megatron_lm_e2e.py`` (tag core_v0.16.1) and ``tests/megatron/test_megatron_lm_019.py`` (the
 0.19-era code) run ``scripts/pretrain_gpt_vshape.py`` -- Megatron-LM's own ``pretrain()`` loop
 -- on gloo processes without a GPU. Megatron-LM assumes CUDA in about a dozen places; each
 patch below names the line (../shared/megatron-lm, tag core_v0.16.1, with ``core/`` the pip

@@ -8,8 +8,8 @@ takes). The :class:`Launcher` keeps one server process that has imported them on
 the CPU patches and the probe applied), and forks N workers per run that set exactly those
 variables and run the script with ``runpy`` as ``__main__``, with the script's folder first
 on ``sys.path``, stdout and stderr to ``<log_dir>/rank<R>.log``. A run is a fresh fork of an
-untouched server, so runs share nothing. Both real-loop tiers (tests/test_megatron_lm_e2e.py,
-tests/test_megatron_lm_019.py) check one run under a real ``torchrun`` against the same run
+untouched server, so runs share nothing. Both real-loop tiers (tests/megatron/test_megatron_lm_e2e.py,
+tests/megatron/test_megatron_lm_019.py) check one run under a real ``torchrun`` against the same run
 from here.
 
 Server protocol (``python -m support.megatron_lm_launch``): one JSON request per stdin line

@@ -1,6 +1,6 @@
 """The real-loop tiers' shared parts: the tiny GPT's flags, runs launched once per session,
-and the comparison of a run with a reference run (tests/test_megatron_lm_e2e.py for Megatron-LM
-core_v0.16.1, tests/test_megatron_lm_019.py for the 0.19-era training code).
+and the comparison of a run with a reference run (tests/megatron/test_megatron_lm_e2e.py for Megatron-LM
+core_v0.16.1, tests/megatron/test_megatron_lm_019.py for the 0.19-era training code).
 
 Megatron-LM seeds weight initialisation with seed + 100 x pipeline rank, and a V places layers
 on other ranks than 1F1B, so every comparison starts from one initial checkpoint (a 1F1B run of

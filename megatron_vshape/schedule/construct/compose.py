@@ -77,7 +77,7 @@ def repeated_peak(block: BuildingBlock, microbatches: int, memory: MemoryModel) 
     repeats per search (p = 16). Each rank's passes sit at distinct slots, so they are laid
     on a line of slots and walked once, a free residue of the interval retiring the oldest
     owed W as ``_place_weight_passes`` places it (68 family blocks at p = 16, m = 64:
-    32 -> 16 ms; tests/test_reorders.py compares it with the repeated orders' levels)."""
+    32 -> 16 ms; tests/schedule/test_reorders.py compares it with the repeated orders' levels)."""
     deltas, interval = memory.deltas, block.interval
     highest = 0.0
     for rank_slots in block.slots:

@@ -34,7 +34,7 @@ class PeriodicBlock:
     """The pass start times per rank of ``patterns`` microbatches (``periodic_block``'s: one),
     repeated every ``period``: repeat k runs microbatches k x patterns + offset. A block of
     several lets their patterns differ, a steady state that alternates them (the machine proof
-    in tests/test_search_bound.py, case 6, builds one)."""
+    in tests/schedule/test_search_bound.py, case 6, builds one)."""
 
     ranks: int
     period: float

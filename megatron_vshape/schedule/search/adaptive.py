@@ -69,7 +69,7 @@ freeing_at_b.py); then the winner's critical-path cool-down, and the cache. A ca
 provenance is the tuple of the steps that made it; descriptions are rendered from it, never
 parsed back.
 
-What the search does not reach (tests/test_search.py says why, with numbers): at V-Min's memory
+What the search does not reach (tests/schedule/test_search.py says why, with numbers): at V-Min's memory
 with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's (at p = 16 and large m
 no schedule can do better, bounds.py); at half of 1F1B's memory with p = 4 nothing can reach
 0.6 x 1F1B's bubble (V-Min's 0.651 x is optimal there).

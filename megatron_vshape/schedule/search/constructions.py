@@ -137,7 +137,7 @@ def _outgrown(family, p: int, limit: float) -> bool:
 
 def _named_over(family, p: int, m: int, limit: float, memory: MemoryModel) -> bool:
     """Whether a fixed block surely exceeds the limit. For m >= p (default memory model) its
-    peak is exactly its bound, (p+4)//3, (p+2)//2 or p units (tests/test_search_pruning.py
+    peak is exactly its bound, (p+4)//3, (p+2)//2 or p units (tests/schedule/test_search_pruning.py
     checks this for p up to 32), so building it only to reject it can be skipped."""
     return memory == MemoryModel() and m >= p and family.memory_bound(p) > limit + _EPS
 

@@ -3,7 +3,7 @@
 Small, made-up runs of the bundled small model on 8 GPUs (DP 1, TP 2, PP 4), printed in the
 formats of Megatron-LM core_v0.16.1 (README.md names the source of each line). The numbers are
 invented but consistent: throughput = the model's FLOPs / time, memory grows until the last
-report. tests/test_experiments.py asserts values read off the files.
+report. tests/experiments/test_experiments.py asserts values read off the files.
 """
 from pathlib import Path
 

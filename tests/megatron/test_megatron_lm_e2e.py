@@ -9,7 +9,7 @@ Megatron-LM's CUDA assumptions, support.megatron_lm_probe records every iteratio
 grad norm and every validation loss at full precision.
 
 Every comparison starts from one initial checkpoint (support.megatron_lm_tier, shared with
-tests/test_megatron_lm_019.py, the tier for the 0.19-era training code). Each case compares a
+tests/megatron/test_megatron_lm_019.py, the tier for the 0.19-era training code). Each case compares a
 schedule with megatron's own 1f1b on the same flags: losses, grad norms and validation losses
 must agree to 1e-5 relative (fp32; most agree bit for bit).
 """
@@ -32,7 +32,7 @@ if not (MEGATRON_LM / "megatron" / "training").is_dir():
     pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
                 allow_module_level=True)
 if TAKES_CONFIG_CONTAINER:
-    pytest.skip(f"{MEGATRON_LM} holds the 0.19-era training code: tests/test_megatron_lm_019.py "
+    pytest.skip(f"{MEGATRON_LM} holds the 0.19-era training code: tests/megatron/test_megatron_lm_019.py "
                 "is its tier", allow_module_level=True)
 
 

@@ -23,7 +23,7 @@ from megatron_vshape.experiments.collect import COLUMNS, summarize
 from megatron_vshape.experiments.commands import MANIFEST_COLUMNS, point_args
 from megatron_vshape.experiments.grid import LayerSplit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "tests" / "data" / "logs"
 SLURM = ROOT / "scripts" / "slurm"
 PREFIX = "small-s1024-gb32-dp1-tp2-pp4"

@@ -13,7 +13,7 @@ from megatron_vshape.schedule import build_schedule, parse_costs, simulate
 from megatron_vshape.schedule.model.actions import PassKind
 from conftest import B_FREES, H100
 
-BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
 
 
 def _lines(script: str, *args: str) -> list[dict]:
@@ -114,7 +114,7 @@ def test_search_digest_baseline_holds_at_its_smallest_points():
     p = 4, m = 8, H100 costs, default memory: same makespans, peaks and orders (the whole grid:
     ``search_digest.py --out NEW`` then ``--compare``)."""
     digest = _search_digest()
-    baseline = Path(__file__).resolve().parents[1] / "docs" / "results" / "search_digest.jsonl"
+    baseline = Path(__file__).resolve().parents[2] / "docs" / "results" / "search_digest.jsonl"
     rows = digest.load(str(baseline))
     cases = [c for c in digest.cases([4]) if c[1] == 8 and c[2] == digest.COSTS[0]
              and c[3] == digest.MEMORY[0]]

@@ -2,7 +2,7 @@
 
 MoE GPTs (4 experts, top-2, load-balancing loss; local spec: SequentialMLP experts of
 megatron linears; support.megatron_lm_tier.MOE_CASES) run ``scripts/pretrain_gpt_vshape.py``
-on 4 gloo processes, as tests/test_megatron_lm_e2e.py runs the dense one (one initial
+on 4 gloo processes, as tests/megatron/test_megatron_lm_e2e.py runs the dense one (one initial
 checkpoint, 4 iterations, a validation step at iterations 2 and 4):
 
     case     parallelism         dispatcher  balancing        also on

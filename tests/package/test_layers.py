@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megatron_vshape"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_vshape"
 
 ALLOWED = {
     "schedule": set(),

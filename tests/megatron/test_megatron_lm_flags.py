@@ -1,8 +1,8 @@
 """Megatron-LM flags that change how a pipeline schedule, its communication or its backward
 runs, under the plugin's schedules, in Megatron-LM's own loop (scripts/pretrain_gpt_vshape.py
-on 4 gloo processes, as tests/test_megatron_lm_e2e.py runs it).
+on 4 gloo processes, as tests/megatron/test_megatron_lm_e2e.py runs it).
 
-The refusals themselves are unit-tested on an argument namespace (tests/test_megatron_lm_args.py,
+The refusals themselves are unit-tested on an argument namespace (tests/megatron/test_megatron_lm_args.py,
 PIPELINE_REFUSALS); here a few go through the script's real parse_args and validate_args, and
 what runs on CPU is run against 1f1b on the same flags: activation recomputation (its
 backward re-runs the forward) and multi-token prediction under zb-1p (extra layers and loss on

@@ -4,7 +4,7 @@ those commands print now.
 A new user runs them literally and compares; a better search (126.9 -> 126.4 here) or a
 tighter floor left the printed example behind once already. Only the search's wall time
 (``search_seconds``) is allowed to differ. ``vshape demo``'s example is not compared: it trains
-for a minute and prints timings, which vary by nature (tests/test_demo.py runs a small demo).
+for a minute and prints timings, which vary by nature (tests/harness/test_demo.py runs a small demo).
 """
 import re
 import shlex
@@ -14,7 +14,7 @@ import pytest
 
 from megatron_vshape.cli import main
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 _PAGES = (_ROOT / "README.md", _ROOT / "docs" / "schedules.md")
 _VARIES = ("search_seconds",)
 

@@ -24,7 +24,7 @@ from megatron_vshape.configs import CONFIG_DIR, KINDS
 
 pytestmark = pytest.mark.slow  # a wheel built, pip run in virtualenvs: 5-20 s each
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 USER_STACK = {"torch": "2.15.0", "megatron-core": "0.19.2"}
 """An NGC-style container's (CUDA builds; here only their metadata)."""
 EXTRAS = ("megatron", "megatron-lm", "runtime", "test", "plot")

@@ -1,6 +1,6 @@
 """GPU tier (skipped without CUDA): the CUDA path of the runtime and of the megatron glue.
 
-Run on a GPU machine: ``python -m pytest -q -m gpu tests/test_gpu.py``. Multi-rank runs stay on
+Run on a GPU machine: ``python -m pytest -q -m gpu tests/megatron/test_gpu.py``. Multi-rank runs stay on
 gloo (one GPU); these check the single-device CUDA code: deferred weight gradients on CUDA
 tensors (megatron's fused accumulation kernel when apex is built), and Transformer Engine's
 backward_dw split when TE is installed.

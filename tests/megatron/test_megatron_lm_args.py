@@ -2,7 +2,7 @@
 
 Fast unit tests of the checks: Megatron-LM's argument namespace is stood in for by the fields
 the checks read, with Megatron-LM's defaults. Through Megatron-LM's real parse_args and
-validate_args the same refusals are run by tests/test_megatron_lm_e2e.py.
+validate_args the same refusals are run by tests/megatron/test_megatron_lm_e2e.py.
 """
 import argparse
 
@@ -170,7 +170,7 @@ def test_defaults_of_both_versions_pass():
 
 @pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto", "zb-1p"])
 def test_moe_is_accepted_with_the_tested_dispatchers(schedule):
-    """MoE runs under every schedule of the plugin (tests/test_megatron_lm_moe.py); only what
+    """MoE runs under every schedule of the plugin (tests/megatron/test_megatron_lm_moe.py); only what
     no test runs is refused (PIPELINE_REFUSALS)."""
     for dispatcher, balancing in (("alltoall", "aux_loss"), ("allgather", "seq_aux_loss"),
                                   ("allgather", "global_aux_loss"), ("alltoall", "none")):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("gen_cli_reference",
                                               ROOT / "scripts" / "gen_cli_reference.py")
 gen = importlib.util.module_from_spec(spec)

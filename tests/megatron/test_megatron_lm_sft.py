@@ -35,10 +35,10 @@ if not (MEGATRON_LM / "megatron" / "training").is_dir():
     pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM} (../shared/megatron-lm)",
                 allow_module_level=True)
 
-RUNNER = Path(__file__).parent / "support" / "sft_run.py"
+RUNNER = Path(__file__).parents[1] / "support" / "sft_run.py"
 REL = 1e-5
 """fp32, the same arithmetic per microbatch; only the order of gradient accumulation across
-microbatches may differ (a few ulps), as in tests/test_megatron_lm_e2e.py; TP 2 against TP 1
+microbatches may differ (a few ulps), as in tests/megatron/test_megatron_lm_e2e.py; TP 2 against TP 1
 also splits the GEMMs (measured: losses 9e-8, grad norms 6e-7 relative)."""
 ITERS = 4
 
@@ -53,7 +53,7 @@ SFT_GPT = (
     "--no-bias-dropout-fusion --distributed-backend gloo --log-interval 1 "
     "--eval-interval 2 --eval-iters 1 --num-workers 0 "
     "--pipeline-model-parallel-size 2").split()
-"""tests/test_megatron_lm_e2e.py's tiny GPT with --sft: one pack per microbatch (megatron
+"""tests/megatron/test_megatron_lm_e2e.py's tiny GPT with --sft: one pack per microbatch (megatron
 packs into --micro-batch-size 1), no attention mask from the data loader (SFTDataset makes
 none), PP 2. Megatron-LM core_v0.16.1's own get_batch gives packed_seq_params to its first and
 last pipeline stages only, so its 1f1b is the reference at PP 2, where every stage is one of

@@ -1,12 +1,12 @@
 """Megatron-LM's 0.19-era training loop (``pretrain()`` with a config container, megatron-core
-0.19.2) under the plugin's schedules: the real-loop tier of tests/test_megatron_lm_e2e.py for
+0.19.2) under the plugin's schedules: the real-loop tier of tests/megatron/test_megatron_lm_e2e.py for
 the training code in ../shared/megatron-lm-0.19.
 
 Run it in an environment whose megatron-core is 0.19.2, with that training code selected
 (``MEGATRON_LM=../shared/megatron-lm-0.19``, the default there) and the marker CI selects::
 
     MEGATRON_LM=../shared/megatron-lm-0.19 python -m pytest -q -m megatron_versions \\
-        tests/test_megatron_lm_019.py
+        tests/megatron/test_megatron_lm_019.py
 
 Each run is ``scripts/pretrain_gpt_vshape.py`` on 4 gloo processes (support.megatron_lm_launch,
 with support.megatron_lm_cpu's patches for this code), a tiny GPT in fp32 started from one
@@ -95,7 +95,7 @@ def test_uneven_layers_train_like_1f1b(runs):
 
 
 def test_moe_with_expert_parallelism_trains_like_1f1b(runs):
-    """MoE (tests/test_megatron_lm_moe.py's PP 2 x EP 2 case: alltoall dispatcher, aux loss,
+    """MoE (tests/megatron/test_megatron_lm_moe.py's PP 2 x EP 2 case: alltoall dispatcher, aux loss,
     distributed optimizer, expert capacity) under v-half: 1f1b's losses, grad norms and logged
     load-balancing loss (megatron-core 0.19's MoE metrics tracker)."""
     model = MOE_CASES["moe-ep"]

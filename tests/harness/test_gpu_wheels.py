@@ -12,7 +12,7 @@ import pytest
 
 from megatron_vshape.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "gpu-check.md").read_text()
 
 

@@ -22,7 +22,7 @@ from megatron_vshape.experiments import expand, load_grid
 from megatron_vshape.experiments.grid import PLAN_RULE, prune
 from megatron_vshape.schedule import SCHEDULES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "scripts" / "slurm"
 JARGON = ("block", "offset", "replayed", "window", "units", "re-laid", "polished", "slack")
 """Words of the technical descriptions that a user's description must not need."""

@@ -2,8 +2,8 @@
 that Megatron-LM's loop will call the plugin's schedule (check_schedule_binding), against
 stand-ins of megatron.training.training.
 
-The real training code passes it in both real-loop tiers (tests/test_megatron_lm_e2e.py,
-tests/test_megatron_lm_019.py, which look for its log line); here each way the binding can be
+The real training code passes it in both real-loop tiers (tests/megatron/test_megatron_lm_e2e.py,
+tests/megatron/test_megatron_lm_019.py, which look for its log line); here each way the binding can be
 wrong is made on purpose, and the check must stop with what it found and what is supported.
 No megatron import is needed.
 """

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 TEXT = PAGE.read_text()
 _DOTTED = re.compile(r"\bmegatron_vshape(?:\.[A-Za-z_]\w*)+")
 _BLOCK = re.compile(r"(<!-- runs -->\n)?```python\n(.*?)```", re.S)

@@ -143,12 +143,12 @@ def test_unbalanced_costs_at_v_min_memory_beat_1f1b(p, comm):
 
     What is known (memory model: a chunk's activation lives from its F's start to its W's end):
 
-    - p = 16 cannot be met for large m at all (tests/test_bounds.py, proven by Little's law):
+    - p = 16 cannot be met for large m at all (tests/schedule/test_bounds.py, proven by Little's law):
       rank 0 holds 37.1 (comm 0.1: 43.1) activation-time per microbatch in 12 chunk-activations,
       so any schedule needs >= 3.09 m (3.59 m) against 1F1B's 3 m + 45 (comm 0); the floor
       passes 1F1B from m = 492 (comm 0.1: m = 120). At m = 64 the floor (bubble >= 0.030,
       0.165) does not decide it.
-    - No building block runs at full rate here (tests/test_search_bound.py, CP-SAT, with
+    - No building block runs at full rate here (tests/schedule/test_search_bound.py, CP-SAT, with
       VSHAPE_PROOFS=1): at V-Min's memory with these costs (comm 0 or 0.1; p = 4, 8, 16) no
       timing pattern that every microbatch repeats, one microbatch per period, has a period
       of F+B+W = 3. The shortest that fits is 3.4 at p = 4 and 3.3 at p = 8 (comm 0): such
@@ -159,7 +159,7 @@ def test_unbalanced_costs_at_v_min_memory_beat_1f1b(p, comm):
       comm 0.1 auto's schedule already runs 3.575 per microbatch in steady state, below every
       single-pattern block (test_auto_beats_every_single_pattern_block_at_p8_comm_0_1). Nor
       m = 4p as such, where the ends of the schedule weigh as much as its steady state.
-    - For arbitrary orders, CP-SAT on the exact model of tests/test_search_bound.py (times in
+    - For arbitrary orders, CP-SAT on the exact model of tests/schedule/test_search_bound.py (times in
       tenths, hinted with auto's schedule) finds better schedules than auto, none reaching
       1F1B's makespan: p = 4, m = 16: 59.3 vs 57.0 (comm 0, 20 min; auto 61.9), 64.7 vs 59.8
       (comm 0.1, 5 min; auto 67.8); p = 8, m = 32: 118.7 vs 117.0 (comm 0, 7 min; auto 120.7),
@@ -192,7 +192,7 @@ def test_unbalanced_costs_reach_the_orders_cp_sat_found(p, comm, target):
 
 def test_auto_beats_every_single_pattern_block_at_p8_comm_0_1():
     """At p = 8, V-Min's memory, costs 1, 1.2, 0.8, comm 0.1, no block that repeats one timing
-    pattern per microbatch has a period below 3.7 (CP-SAT proof, tests/test_search_bound.py);
+    pattern per microbatch has a period below 3.7 (CP-SAT proof, tests/schedule/test_search_bound.py);
     auto's steady state (makespan growth per microbatch from m = 128 to 256) is faster."""
     c = Costs.build(8, *UNBALANCED, comm=0.1)
     makespan = {m: search(8, m, c, 4).result.makespan for m in (128, 256)}
@@ -222,7 +222,7 @@ def test_half_memory_uniform_costs_bubble(p):
       while at most 4 activations (9 passes) are left on rank 0, so >= 1 more. That gives
       makespan >= 101 slots.
     - exhaustively, the remaining gap is closed by CP-SAT (OR-Tools 9.15, under 80 s, see
-      tests/test_search_bound.py): passes as intervals, no overlap per rank, the dependency
+      tests/schedule/test_search_bound.py): passes as intervals, no overlap per rank, the dependency
       rule, a reservoir per rank (+1 at an F's start, -1 at a W's end, level 0..4): 107
       slots is optimal. The model runs every stage's passes in microbatch order, which loses
       nothing: microbatches cost the same, so naming the j-th pass of each stage (in time)

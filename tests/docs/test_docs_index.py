@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_the_index_lists_every_page_and_only_pages_that_exist():

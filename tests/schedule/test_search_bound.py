@@ -22,7 +22,7 @@ can be seen by hand. This file holds the exhaustive part: a CP-SAT model whose o
 bound. It needs OR-Tools (not a dependency of the project) and 40-80 s on two cores, so it
 runs only with ``VSHAPE_PROOFS=1``::
 
-    pip install ortools && VSHAPE_PROOFS=1 python -m pytest -q tests/test_search_bound.py
+    pip install ortools && VSHAPE_PROOFS=1 python -m pytest -q tests/schedule/test_search_bound.py
 
 (case 2 adds about 90 s, case 3 about 10 s, case 4 about 15 s, case 5 about 80 s, case 6
 about 100 s).

@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # runs the planner several times (about 20 s)
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def test_marked_outputs_in_the_docs_are_current():

@@ -14,7 +14,7 @@ from megatron_vshape.schedule.io.render_text import render_grid, render_steps
 from megatron_vshape.schedule.model.simulate import DeadlockError
 from megatron_vshape.schedule.io.torch_csv import from_torch_csv, to_torch_csv
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 NAMES = ["1f1b", "zb-1p", "interleaved-1f1b", "v-min", "v-half", "v-zb"]
 
 

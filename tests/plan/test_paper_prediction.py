@@ -13,7 +13,7 @@ from megatron_vshape.configs import CONFIG_DIR
 from megatron_vshape.experiments.grid_file import load_grid
 from megatron_vshape.experiments.predict import FAMILIES, predict_case
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 DOC = ROOT / "docs" / "paper-reproduction.md"
 GRID = CONFIG_DIR / "grid" / "gpt-9.6b.yaml"
 

@@ -9,7 +9,7 @@ deferring provider refuses a model in which no layer splits its weight gradient.
 
 Transformer Engine needs a GPU: these tests check the wiring on CPU with stand-ins of TE's
 megatron wrappers (a module of megatron.core.extensions.transformer_engine with the wrappers'
-``config`` and ``backward_dw``). tests/test_gpu.py runs a real TELinear's backward_dw in W.
+``config`` and ``backward_dw``). tests/megatron/test_gpu.py runs a real TELinear's backward_dw in W.
 """
 import logging
 from types import SimpleNamespace
