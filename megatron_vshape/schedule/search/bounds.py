@@ -11,7 +11,7 @@ most ``limit x makespan``. So no order at all, however clever, finishes sooner t
     makespan >= microbatches x (the rank's lifetime per microbatch) / limit,   on every rank.
 
 Where this exceeds what a rival reaches (1F1B at large m), the limit makes the rival's bubble
-unreachable: tests/schedule/test_search.py uses it to show which unbalanced-cost targets of issue 3 no
+unreachable: tests/schedule/test_search.py uses it to show which unbalanced-cost bubble targets no
 schedule can meet. The search does not need it; it is here so such claims are computed, not
 argued by hand.
 """

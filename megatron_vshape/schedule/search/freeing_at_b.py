@@ -20,7 +20,7 @@ to run as well up to 2,048 passes (p = 8, m = 32), for its wins; over the named 
 p 4-16, m = p to 64 within those passes (81 builds, the three cost ratios above) it was faster
 at 5, by 0.04-0.95% (v-zb at costs 2,2,2,0.1, p = 8, m = 16: 105.1 against 106.1), slower at
 2 (by 0.09%), and it took 40% of those builds' time: at the H100 costs it put 16 of the 33
-named V schedules with m <= 64 over the issue's 0.5 s, where without it 5 are.
+named V schedules with m <= 64 over a 0.5 s budget, where without it 5 are.
 
 The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """

@@ -63,7 +63,7 @@ class Settings:
     what each move re-times and costs: about 10 ms per 100,000)."""
     final_polish_budget: int = 600_000
     """Passes for polishing the winner once more (about 0.4 s): at p = 4, m = 16, costs 1,1.2,0.8
-    at V-Min's memory it takes the makespan from 61.4 to issue 3's best known (CP-SAT) 61.1, and
+    at V-Min's memory it takes the makespan from 61.4 to the best known (CP-SAT) 61.1, and
     67.2 to 66.6 with comm 0.1; 500,000 stop at 66.7, 200,000 at 61.4 and 66.9."""
     final_polish_large: int = 150_000
     """The last polish's budget from ``final_polish_large_passes`` on."""
