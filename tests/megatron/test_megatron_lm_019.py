@@ -24,7 +24,7 @@ import pytest
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
 from support.megatron_lm_tier import (
     ITERS, MOE_CASES, PP4, TINY_GPT, Runs, assert_same_moe_metrics, assert_same_training,
-    initial_checkpoint, resumed, schedule_flags, trained, under_torchrun)
+    initial_checkpoint, resumed, schedule_flags, trained, under_torchrun, uneven_runs)
 
 pytestmark = pytest.mark.megatron_versions
 
@@ -84,13 +84,7 @@ def test_tensor_and_sequence_parallel_train_like_1f1b(runs):
 def test_uneven_layers_train_like_1f1b(runs):
     """--num-layers 14 on PP 4 (k x p - 2): the V's stages 1,2,2,2,2,2,2,1; megatron's 1f1b
     with its own uneven layout (2,4,4,4)."""
-    model = PP4 + ["--num-layers", "14"]
-    first = ["--decoder-first-pipeline-num-layers", "2"]
-    start = initial_checkpoint(runs, "pp4-uneven", model + first)
-    reference = runs.get("pp4-uneven-1f1b", TINY_GPT + model + start + first +
-                         ["--train-iters", str(ITERS)])
-    got = runs.get("pp4-uneven-v-half", TINY_GPT + model + start +
-                   ["--pipeline-schedule", "v-half", "--train-iters", str(ITERS)])
+    reference, got = uneven_runs(runs, "pp4-uneven", PP4 + ["--num-layers", "14"])
     assert_same_training(got, reference, "0.19 pp4 14 layers v-half")
 
 

@@ -24,7 +24,7 @@ from support.megatron_lm_launch import (  # noqa: E402
 from support.megatron_lm_cpu import TORCH_ADAMW  # noqa: E402
 from support.megatron_lm_tier import (  # noqa: E402
     ITERS, PP4, TINY_GPT, Run, Runs, assert_same_training, initial_checkpoint, resumed,
-    schedule_flags, trained, under_torchrun)
+    schedule_flags, trained, under_torchrun, uneven_runs)
 
 pytestmark = pytest.mark.e2e
 
@@ -73,14 +73,7 @@ def test_uneven_layers_train_like_1f1b(runs):
     """--num-layers k*p-2 (the paper's advice): 14 layers on PP = 4 run as 1,2,2,2,2,2,2,1 on
     the V's stages (rank 0 also holds embedding and LM head); megatron's 1f1b needs an uneven
     layout of its own (2,4,4,4 here): the same model, the same training."""
-    layers = ["--num-layers", "14"]
-    model = PP4 + layers
-    start = initial_checkpoint(runs, "pp4-uneven", model + ["--decoder-first-pipeline-num-layers",
-                                                            "2"])
-    reference = runs.get("pp4-uneven-1f1b", TINY_GPT + model + start + [
-        "--decoder-first-pipeline-num-layers", "2", "--train-iters", str(ITERS)])
-    got = runs.get("pp4-uneven-v-half", TINY_GPT + model + start + [
-        "--pipeline-schedule", "v-half", "--train-iters", str(ITERS)])
+    reference, got = uneven_runs(runs, "pp4-uneven", PP4 + ["--num-layers", "14"])
     assert_same_training(got, reference, "pp4 14 layers v-half")
     ref, v = _parameters_per_rank(reference), _parameters_per_rank(got)
     layer = ref[1] // 4  # 1f1b's rank 1 holds 4 layers and nothing else

@@ -42,8 +42,8 @@ importorskip_megatron()
 from megatron_vshape.runtime.launch import run_gloo  # noqa: E402
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER  # noqa: E402
 from support.megatron_lm_tier import (  # noqa: E402
-    ITERS, MOE_CASES, PP4, TINY_GPT, assert_same_moe_metrics, assert_same_training,
-    initial_checkpoint, resumed, trained)
+    MOE_CASES, PP4, TINY_GPT, assert_same_moe_metrics, assert_same_training, resumed, trained,
+    uneven_runs)
 from support.megatron_workers import moe_weight_grads_in_w  # noqa: E402
 
 def _real_loop_or_skip() -> None:
@@ -99,12 +99,7 @@ def test_uneven_moe_layers_like_1f1b(runs):
     model = PP4 + ["--num-layers", "14", "--num-experts", "4", "--moe-router-topk", "2",
                    "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "allgather",
                    "--disable-bias-linear", "--moe-layer-freq", "[0]+[1]*13"]
-    first = ["--decoder-first-pipeline-num-layers", "2"]
-    start = initial_checkpoint(runs, "moe-uneven", model + first)
-    reference = runs.get("moe-uneven-1f1b", TINY_GPT + model + start + first +
-                         ["--train-iters", str(ITERS)])
-    got = runs.get("moe-uneven-v-half", TINY_GPT + model + start +
-                   ["--pipeline-schedule", "v-half", "--train-iters", str(ITERS)])
+    reference, got = uneven_runs(runs, "moe-uneven", model)
     assert_same_training(got, reference, "moe-uneven v-half")
     assert_same_moe_metrics(got, reference, "moe-uneven v-half")
 

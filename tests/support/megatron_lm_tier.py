@@ -168,6 +168,21 @@ def initial_checkpoint(runs: Runs, key: str, model: list, nproc: int = 4) -> lis
     return ["--load", str(folder), "--finetune"]
 
 
+UNEVEN_FIRST_STAGE = ["--decoder-first-pipeline-num-layers", "2"]
+"""14 layers on PP 4: megatron's 1f1b lays them out 2,4,4,4; the V runs 1,2,2,2,2,2,2,1."""
+
+
+def uneven_runs(runs: Runs, key: str, model: list) -> tuple[Run, Run]:
+    """(1f1b, v-half) of ``model`` (14 layers on PP 4) from one initial checkpoint: megatron's
+    1f1b with its own uneven layout (:data:`UNEVEN_FIRST_STAGE`), v-half with the V's."""
+    start = initial_checkpoint(runs, key, model + UNEVEN_FIRST_STAGE)
+    reference = runs.get(f"{key}-1f1b", TINY_GPT + model + start + UNEVEN_FIRST_STAGE
+                         + ["--train-iters", str(ITERS)])
+    got = runs.get(f"{key}-v-half", TINY_GPT + model + start
+                   + ["--pipeline-schedule", "v-half", "--train-iters", str(ITERS)])
+    return reference, got
+
+
 def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4) -> Run:
     """``schedule`` trains ITERS iterations of ``model`` from its initial checkpoint."""
     start = initial_checkpoint(runs, key, model, nproc)
