@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["GpuSpec", "Kernel", "gemm", "streaming", "flash_attention"]
+__all__ = ["GpuSpec", "Kernel", "gemm", "streaming", "transfer", "flash_attention"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,13 @@ def gemm(name: str, m: int, n: int, k: int, gpu: GpuSpec, element_bytes: int = 2
 def streaming(name: str, moved: float, gpu: GpuSpec) -> Kernel:
     """An elementwise, reduction, cast or copy kernel moving ``moved`` bytes."""
     return _finish(name, 0.0, moved, 0.0, gpu)
+
+
+def transfer(name: str, moved: float, gbps: float, gpu: GpuSpec) -> Kernel:
+    """A collective or all-to-all moving ``moved`` bytes per GPU over a link of ``gbps`` GB/s
+    achieved, plus one kernel's fixed cost."""
+    return Kernel(name, 0.0, moved, moved / (gbps * 1e9) + gpu.kernel_overhead_us * 1e-6,
+                  "memory")
 
 
 _FLASH_BLOCK = 128

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kernels import GpuSpec, Kernel, flash_attention, gemm, streaming
+from .kernels import GpuSpec, Kernel, flash_attention, gemm, streaming, transfer
 from .model import ModelConfig
 from .settings import ClusterConfig, TrainingConfig
 
@@ -111,9 +111,8 @@ def _shape(model: ModelConfig, training: TrainingConfig, tp: int, micro_batch: i
 
 def _collective(name: str, x: _Shape, tp: int, cluster: ClusterConfig,
                 gpu: GpuSpec) -> Kernel:
-    moved = (tp - 1) / tp * x.e * x.tokens * x.hidden
-    return Kernel(name, 0.0, moved, moved / (cluster.intra_node_gbps * 1e9)
-                  + gpu.kernel_overhead_us * 1e-6, "memory")
+    return transfer(name, (tp - 1) / tp * x.e * x.tokens * x.hidden, cluster.intra_node_gbps,
+                    gpu)
 
 
 def _tp(names: tuple[str, ...], x: _Shape, tp: int, cluster: ClusterConfig,
@@ -267,8 +266,7 @@ def _all_to_all(name: str, x: _Shape, moe: _Experts, cluster: ClusterConfig,
     moved = (moe.ep - 1) / moe.ep * x.e * moe.routed * x.hidden
     bandwidth = cluster.inter_node_gbps if moe.ep > cluster.gpus_per_node else \
         cluster.intra_node_gbps
-    return [Kernel(name, 0.0, moved, moved / (bandwidth * 1e9) + gpu.kernel_overhead_us * 1e-6,
-                   "memory")]
+    return [transfer(name, moved, bandwidth, gpu)]
 
 
 def _routed_experts(x: _Shape, moe: _Experts, cluster: ClusterConfig,
