@@ -1,4 +1,5 @@
-"""Issue 2 acceptance: exact peak memory, bubble rates near the paper's, properties."""
+"""The paper's schedules as the paper states them: exact peak memory per rank, bubble rates near
+the paper's, and properties of every order."""
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 

@@ -40,8 +40,8 @@ def test_no_schedule_beats_the_floor_at_its_own_peak(p, m_factor, name, costs, f
 
 @pytest.mark.parametrize("comm,m", [(0.0, 512), (0.1, 128)])
 def test_p16_unbalanced_target_is_unreachable_for_large_m(comm, m):
-    """Issue 3 asks, for m >= 4p, for 1F1B's bubble at V-Min's memory ((p+4)//3 = 6 units) with
-    costs 1, 1.2, 0.8. At p = 16 no schedule can: rank 0 holds 37.1 (43.1 with comm 0.1)
+    """1F1B's bubble at V-Min's memory ((p+4)//3 = 6 units) with costs 1, 1.2, 0.8 for
+    m >= 4p (a target the search was set): at p = 16 no schedule reaches it: rank 0 holds 37.1 (43.1 with comm 0.1)
     activation-time per microbatch in 12 chunk-activations, so the makespan is at least
     3.09 m (3.59 m), while 1F1B's is 3 m + 45 (and with comm its steady state waits on
     every hop). The floor passes 1F1B's makespan from m = 492 (comm 0) and m = 120 (comm 0.1)."""
@@ -52,8 +52,8 @@ def test_p16_unbalanced_target_is_unreachable_for_large_m(comm, m):
 
 
 def test_fill_and_drain_rule_out_v_zb_at_092_of_1f1b_for_p4_m32():
-    """Issue 15's real-cost target v-zb <= 0.92 x 1F1B (costs 2,2.78,0.7,0.05, m = 8p) cannot be
-    met at p = 4 under either memory model. Rank 3 starts after 3 x (1 + 0.05) = 3.15. Its
+    """v-zb within 0.92 x 1F1B's makespan at the H100 costs (2,2.78,0.7,0.05, m = 8p) cannot
+    be met at p = 4 under either memory model. Rank 3 starts after 3 x (1 + 0.05) = 3.15. Its
     first gradient comes back after the 8 forwards and 6 hops to the loss (8.3) and the B
     passes of stages 7, 6, 5 with their 3 hops (4.32): until 12.62 it can run only the 8
     forwards its 4 units hold, so it waits 1.47 more. It computes 32 x 5.48; its last B is
@@ -86,7 +86,7 @@ def test_fill_and_drain_rule_out_v_zb_at_092_of_1f1b_at_m_8p(p, default, frees):
 
 
 def test_little_rules_out_v_min_at_110_of_1f1b_for_p16_m128():
-    """Issue 15's real-cost target v-min <= 1.10 x 1F1B (costs 2,2.78,0.7,0.05, m = 8p) cannot
+    """v-min within 1.10 x 1F1B's makespan at the H100 costs (2,2.78,0.7,0.05, m = 8p) cannot
     be met at p = 16 under the default memory model: at V-Min's 6 units, rank 0 keeps each
     microbatch's activations for so long that no order finishes before 1.105 x 1F1B's
     makespan (797.0). When B frees three quarters the floor is 1.098: no proof there."""

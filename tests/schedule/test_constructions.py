@@ -1,7 +1,7 @@
 """The paper code's two constructions, written ours: the pass-by-pass slot reorder of V-Min and
 V-Half (construct/slot_reorder.py) and V-ZB's cost-aware wave (construct/wave.py). Every order is
-valid and within its bound; at the points where the reference generator beat us before (issue 15's
-comparison, sail-sg/zero-bubble-pipeline-parallelism at 39f2c186, run by
+valid and within its bound; at the points where the reference generator beat us before (its
+comparison with ours, sail-sg/zero-bubble-pipeline-parallelism at 39f2c186, run by
 scripts/bench/reference_compare.py) they reach its bubbles."""
 import pytest
 from hypothesis import given, settings

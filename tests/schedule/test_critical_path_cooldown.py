@@ -1,4 +1,5 @@
-"""Issue 15: the cool-down re-scheduled critical path first (rewrite/critical_path_cooldown.py)."""
+"""The cool-down re-scheduled critical path first (rewrite/critical_path_cooldown.py): the rule
+of its doc, valid orders, and what it takes off the search's V-Min at p = 16."""
 import functools
 from collections import Counter
 
@@ -12,7 +13,7 @@ from megatron_vshape.schedule.rewrite.critical_path_cooldown import (LINES, bott
 from megatron_vshape.schedule.model.deps import dependencies
 from megatron_vshape.schedule.model.indexed import PassIndex
 from megatron_vshape.schedule.model.simulate import action_durations, pass_durations
-from megatron_vshape.schedule.search.adaptive import _search_one
+from megatron_vshape.schedule.search.adaptive import Problem, search_steps
 from conftest import H100
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
@@ -130,7 +131,7 @@ def test_critical_tail_shortens_v_mins_cool_down_at_p16_h100_costs():
     what CP-SAT finds best for the last 60 time units after the same start)."""
     p, m = 16, 64
     costs = parse_costs(H100, p)
-    found = _search_one(p, m, costs, 6.0, MemoryModel(), shapes=True).schedule
+    found = search_steps(Problem(p, m, costs, 6.0, MemoryModel(), shapes=True)).schedule
     before = simulate(found, costs).makespan
     after = simulate(found.with_actions(critical_tail(
         found.rank_actions, found.placement, costs, 12.0)), costs).makespan

@@ -7,7 +7,7 @@ from megatron_vshape.schedule.rewrite.critical_path_cooldown import (LINES, crit
                                                                       critical_tails)
 from megatron_vshape.schedule.model.actions import ScheduleError
 from megatron_vshape.schedule.search import critical_path_step
-from megatron_vshape.schedule.search.adaptive import _search_one
+from megatron_vshape.schedule.search.adaptive import Problem, search_steps
 from megatron_vshape.schedule.search.levels import clear_caches
 from megatron_vshape.schedule.search.critical_path_step import (STEP, faster_tail, tail_step,
                                                                 tail_lines)
@@ -46,7 +46,7 @@ def test_a_slower_tail_is_not_kept():
     search keeps its order."""
     p, m = 4, 8
     costs = parse_costs(H100, p)
-    plain = _search_one(p, m, costs, 4.0, MemoryModel(), shapes=True)
+    plain = search_steps(Problem(p, m, costs, 4.0, MemoryModel(), shapes=True))
     assert faster_tail(plain.schedule, costs, MemoryModel(), 4.0, plain.result.makespan) is None
     assert search(p, m, costs, 4.0).schedule.rank_actions == plain.schedule.rank_actions
 
@@ -65,7 +65,7 @@ def test_a_deadlocking_tail_is_passed_over():
     limit."""
     p, m, limit = 16, 32, 18.0
     costs = parse_costs("2,2.4,1.6,0.1", p)
-    plain = _search_one(p, m, costs, limit, MemoryModel(), shapes=True)
+    plain = search_steps(Problem(p, m, costs, limit, MemoryModel(), shapes=True))
     orders, placement = plain.schedule.rank_actions, plain.schedule.placement
     assert critical_tails(orders, placement, costs, limit * 2, MemoryModel(), ("own",)) == {}
     with pytest.raises(ScheduleError, match="deadlock"):

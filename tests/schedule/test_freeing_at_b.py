@@ -1,4 +1,4 @@
-"""Issue 15: what a memory model that frees at B adds to the default model's answer
+"""What a memory model that frees at B adds to the default model's answer
 (schedule/search/freeing_at_b.py): refined orders stay valid and within their cap, and the
 refinement is what makes v-min reach 1.10 x 1F1B at the H100 costs, p = 8, m = 32."""
 import importlib
@@ -50,7 +50,7 @@ def test_v_min_at_h100_costs_reaches_the_target_only_through_the_refinement(fres
     one = simulate(build_schedule("1f1b", p, m), costs, B_FREES).makespan
     level = float((p + 4) // 3)
     default = adaptive.search(p, m, costs, level).result.makespan
-    own = adaptive._search_one(p, m, costs, level, B_FREES, True).result.makespan
+    own = adaptive.search_steps(adaptive.Problem(p, m, costs, level, B_FREES, True)).result.makespan
     named = build_schedule("v-min", p, m, costs, memory=B_FREES)
     ours = simulate(named, costs, B_FREES)
     assert min(default, own) > 1.10 * one
@@ -66,9 +66,9 @@ def test_the_model_gets_no_search_of_its_own_where_the_default_model_fits(monkey
     p, m, level = 4, 16, 3.0
     costs = parse_costs(H100, p)
     searched = []
-    search_one = adaptive._search_one
-    monkeypatch.setattr(adaptive, "_search_one",
-                        lambda *args: searched.append(args[4]) or search_one(*args))
+    search_steps = adaptive.search_steps
+    monkeypatch.setattr(adaptive, "search_steps",
+                        lambda problem: searched.append(problem.memory) or search_steps(problem))
     found = adaptive.search(p, m, costs, level, B_FREES)
     default = adaptive.search(p, m, costs, level)
     assert searched == [MemoryModel()]

@@ -1,4 +1,4 @@
-"""Issue 15: unit-slot bubbles filled without raising the peak (rewrite/gap_fill.py), the paper
+"""Unit-slot bubbles filled without raising the peak (rewrite/gap_fill.py), the paper
 code's last reordering step, and the points of the reference's adaptive search it lets ``auto``
 reach."""
 import dataclasses
@@ -13,6 +13,7 @@ from megatron_vshape.schedule.rewrite.reshape_ends import reshape_warm_up, unit_
 from megatron_vshape.schedule.model.simulate import peak_memory
 from megatron_vshape.schedule.search import adaptive, improvements
 from megatron_vshape.schedule.search.adaptive import search
+from megatron_vshape.schedule.search.settings import SETTINGS
 from conftest import B_FREES
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
@@ -79,18 +80,14 @@ def test_auto_reaches_the_reference_at_v_min_limit(p, m, comm, limit, reference)
 @pytest.mark.parametrize("costs, m, limit, filled, unfilled", [
     ((2, 2, 2, 0.1), 64, 12, 418.0, 418.6), ((2, 2, 2, 0.5), 32, 12, 261.0, 262.0),
     ((2, 2.4, 1.6, 0), 32, 14, 216.0, 218.2), ((1, 1.2, 0.8, 0.1), 32, 18, 110.3, 110.8)])
-def test_gap_fill_keeps_its_wins_off_the_v_zb_level(costs, m, limit, filled, unfilled,
-                                                    monkeypatch):
+def test_gap_fill_keeps_its_wins_off_the_v_zb_level(costs, m, limit, filled, unfilled):
     """Over 2,000 passes (p = 16) the fill wins at 3p/4 units, at spread 1.5 and above 1F1B's
     memory (settings.py's slot_spread): the rule that runs it must keep those."""
     costs = Costs.build(16, *costs[:3], comm=costs[3])
-    adaptive._search_cached.cache_clear()
     assert search(16, m, costs, float(limit)).result.makespan == pytest.approx(filled)
-    monkeypatch.setattr(improvements, "SETTINGS",
-                        dataclasses.replace(improvements.SETTINGS, gaps_filled=0))
-    adaptive._search_cached.cache_clear()
-    assert search(16, m, costs, float(limit)).result.makespan == pytest.approx(unfilled)
-    adaptive._search_cached.cache_clear()  # not the unfilled answer for later tests
+    unfilled_settings = dataclasses.replace(SETTINGS, gaps_filled=0)
+    assert search(16, m, costs, float(limit),
+                  settings=unfilled_settings).result.makespan == pytest.approx(unfilled)
 
 
 @pytest.mark.parametrize("p, m, costs, limit, fills", [
@@ -111,7 +108,7 @@ def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs
         return fill_gaps(placement, orders, memory)
 
     monkeypatch.setattr(improvements, "fill_gaps", recorded)
-    adaptive._search_cached.cache_clear()  # so that this search runs
+    adaptive.clear_cache()  # so that this search runs
     found = search(p, m, Costs.build(p, *costs[:3], comm=costs[3]), float(limit))
     assert bool(calls) == fills
     assert found.result.peak_memory_max <= limit

@@ -13,7 +13,7 @@ from megatron_vshape.schedule.construct.greedy import Policy, greedy_schedule
 from megatron_vshape.schedule.names import MEMORY_LEVELS
 from megatron_vshape.schedule.search.levels import memory_level
 from megatron_vshape.schedule.search import local
-from megatron_vshape.schedule.search.local import _Search, improve, improve_repeated
+from megatron_vshape.schedule.search.local import LocalSearch, improve, improve_repeated
 from conftest import B_FREES, h100_costs
 
 costs_strategy = st.tuples(
@@ -60,13 +60,14 @@ def test_default_costs_keep_the_papers_memory_table():
 
 
 @pytest.mark.parametrize("name,p,m,costs,at_most", [
-    # the reference generator's makespans at these points (issue 15's table), ours below them
+    # the reference generator's bubbles at these points (scripts/bench/reference_compare.py),
+    # ours at or below them
     ("zb-1p", 8, 8, (2, 2, 2, 0), 0.226),
     ("zb-1p", 16, 16, (2, 2, 2, 0.1), 0.256),
     ("v-half", 4, 64, (2, 2, 2, 0.5), 0.040),
     ("v-half", 4, 16, (2, 2, 2, 0.5), 0.143),
 ])
-def test_issue_examples_reach_the_reference_generator(name, p, m, costs, at_most):
+def test_named_levels_reach_the_reference_generator_at_its_points(name, p, m, costs, at_most):
     c = Costs.build(p, *costs)
     assert simulate(build_schedule(name, p, m, c), c).bubble_rate <= at_most + 0.005
 
@@ -107,9 +108,9 @@ def test_a_move_repeated_per_microbatch_is_made_in_every_period_and_keeps_the_or
     p, m = 4, 16
     c = h100_costs(p)
     start = build_schedule("v-min", p, m, variant="paper")
-    search = _Search(start.placement, m, start.rank_actions, c, 4, MemoryModel(), 6)
-    r, i, (new, changed) = next((r, i, moved) for r, j, i in search._moves()
-                                if (moved := search._repeated(r, j, i, 1)))
+    search = LocalSearch(start.placement, m, start.rank_actions, c, 4, MemoryModel(), 6)
+    r, i, (new, changed) = next((r, i, moved) for r, j, i in search.moves()
+                                if (moved := search.repeated(r, j, i, 1)))
     old = search.orders[r]
     assert sorted(new) == sorted(old) and changed <= i
     assert new[:changed] == old[:changed] and new[changed] != old[changed]
@@ -123,22 +124,22 @@ def test_a_move_repeated_per_microbatch_is_made_in_every_period_and_keeps_the_or
 @pytest.mark.parametrize("name, p, m", [("v-min", 4, 8), ("v-half", 8, 8)])
 def test_the_deadlock_check_agrees_with_timing_every_single_move(name, p, m, monkeypatch):
     """Every move of one pass earlier (window 6) of a paper order, not blocked outright:
-    ``_deadlocks`` says True exactly when timing the moved orders gets stuck (with room to
+    ``deadlocks`` says True exactly when timing the moved orders gets stuck (with room to
     search the whole graph), and with the default probe only ever for moves that get stuck."""
     c = h100_costs(p)
     start = build_schedule(name, p, m, variant="paper")
-    search = _Search(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
+    search = LocalSearch(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
     moves = []
     for r, order in enumerate(search.orders):
         for j in range(1, len(order)):
             for i in range(max(0, j - 6), j):
-                if not search._blocked(order, i, j):
+                if not search.blocked(order, i, j):
                     trial = list(search.orders)
                     trial[r] = order[:i] + [order[j]] + order[i:j] + order[j + 1:]
                     moves.append((r, i, j, search.flow.time(trial).stuck is not None))
-    caught = [search._deadlocks(r, i, j) for r, i, j, _ in moves]
-    monkeypatch.setattr(local, "_PROBE", 10**9)
-    assert [search._deadlocks(r, i, j) for r, i, j, _ in moves] == [s for *_, s in moves]
+    caught = [search.deadlocks(r, i, j) for r, i, j, _ in moves]
+    monkeypatch.setattr(local, "DEADLOCK_PROBE", 10**9)
+    assert [search.deadlocks(r, i, j) for r, i, j, _ in moves] == [s for *_, s in moves]
     assert all(stuck for (*_, stuck), dead in zip(moves, caught) if dead)
     assert sum(caught) > 10 and sum(not s for *_, s in moves) > 10  # both kinds were checked
 
@@ -146,19 +147,19 @@ def test_the_deadlock_check_agrees_with_timing_every_single_move(name, p, m, mon
 @pytest.mark.parametrize("name, p, m", [("v-min", 4, 16), ("v-min", 8, 16), ("v-half", 8, 8)])
 def test_a_repeated_move_whose_single_move_deadlocks_is_not_timed_and_would_deadlock(
         name, p, m):
-    """``_repeated`` drops a move whose single move surely deadlocks (``_deadlocks``); made in
+    """``repeated`` drops a move whose single move surely deadlocks (``deadlocks``); made in
     every period anyway, each of those orders gets stuck when timed (local.py's claim)."""
     c = h100_costs(p)
     start = build_schedule(name, p, m, variant="paper")
-    search = _Search(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
+    search = LocalSearch(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
     dead = [(r, j, i) for r, order in enumerate(search.orders) for j in range(1, len(order))
             for i in range(max(0, j - 6), j)
-            if not search._blocked(order, i, j) and search._deadlocks(r, i, j)]
-    assert all(search._repeated(r, j, i, 1) is None for r, j, i in dead)
-    search._deadlocks = lambda r, i, j: False  # the repeated orders as made without the check
+            if not search.blocked(order, i, j) and search.deadlocks(r, i, j)]
+    assert all(search.repeated(r, j, i, 1) is None for r, j, i in dead)
+    search.deadlocks = lambda r, i, j: False  # the repeated orders as made without the check
     stuck = 0
     for r, j, i in dead:
-        moved = search._repeated(r, j, i, 1)
+        moved = search.repeated(r, j, i, 1)
         if moved is not None:
             trial = list(search.orders)
             trial[r] = moved[0]

@@ -1,4 +1,4 @@
-"""Issue 15: warm-ups and cool-downs re-laid in the reference generator's shapes
+"""Warm-ups and cool-downs re-laid in the reference generator's shapes
 (rewrite/reshape_ends.py), and the points of the reference's adaptive search they let ``auto``
 reach."""
 from collections import Counter
@@ -138,7 +138,8 @@ def test_reshape_needs_the_v_layout():
     (8, 8, (2, 2, 2, 0.1), 4, 0.3617, 1e-4),
     (8, 16, (2, 2, 2, 0.1), 4, 0.2430, 1e-4),
     (8, 8, (2, 2.4, 1.6, 0.0), 5, 0.3240, 1e-4),
-    # within the issue's 0.005 (0.1652 and 0.1168 now; 0.1674 and 0.1237 before the cool-down)
+    # within 0.005 of the reference's (0.1652 and 0.1168 now; 0.1674 and 0.1237 before the
+    # cool-down)
     (8, 32, (2, 2, 2, 0.1), 4, 0.1623, 0.005),
     (8, 64, (2, 2, 2, 0.1), 4, 0.1152, 0.005),
 ])

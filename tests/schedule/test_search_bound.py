@@ -1,22 +1,22 @@
-"""Machine proofs of impossible cases of issues 3 and 15 (CP-SAT; OR-Tools is not a project
-dependency).
+"""Machine proofs that some bubble and makespan targets set for the search are out of reach
+(CP-SAT; OR-Tools is not a project dependency).
 
 1. p = 4, half memory, uniform costs, m = 16 (below).
 2. Unbalanced costs at V-Min's memory: no building block runs at full rate (further below,
    ``_block_exists``).
-3. Issue 15's V-Min at the costs an H100 measured, p = 4: no block runs faster than 1.34 x
+3. V-Min at the costs an H100 measured, p = 4: no block runs faster than 1.34 x
    the compute, under either memory model.
-4. Issue 15's V-Half at the same costs, p = 8 and 16: no steady state of one repeated pattern
+4. V-Half at the same costs, p = 8 and 16: no steady state of one repeated pattern
    runs faster than 1.042 x and 1.047 x the compute (at the end).
-5. Issue 15's V-Min at the same costs, p = 16: none runs faster than 1.558 x the compute, under
+5. V-Min at the same costs, p = 16: none runs faster than 1.558 x the compute, under
    either memory model (at the end).
-6. Issue 15's V-Half at the same costs, p = 4: two alternating patterns run faster than any
+6. V-Half at the same costs, p = 4: two alternating patterns run faster than any
    one pattern can (at the end).
 
 Case 1.
 
 The shortest makespan of any V schedule with at most 4 chunk-activations per rank is 107
-half-unit slots (53.5), V-Min's; issue 3 asks for <= 53.02 (0.6 x 1F1B's bubble). See
+half-unit slots (53.5), V-Min's; 0.6 x 1F1B's bubble would need <= 53.02. See
 ``test_half_memory_uniform_costs_bubble`` in test_search.py for the statement and the part that
 can be seen by hand. This file holds the exhaustive part: a CP-SAT model whose optimum is that
 bound. It needs OR-Tools (not a dependency of the project) and 40-80 s on two cores, so it
@@ -239,7 +239,7 @@ def test_shortest_block_period_at_v_min_memory(p, comm, slowest_infeasible):
     assert _block_exists(p, _UNBALANCED_TICKS, comm, slowest_infeasible + 1, chunks) in ("OPTIMAL", "FEASIBLE")
 
 
-# Case 3. Issue 15's V-Min target at the costs an H100 measured: F, B, W = 1, 1.39, 0.35 per
+# Case 3. V-Min within 1.10 x 1F1B at the costs an H100 measured: F, B, W = 1, 1.39, 0.35 per
 # chunk and 0.05 per hop (--costs 2,2.78,0.7,0.05), in hundredths. Full rate is 548 ticks.
 _H100_TICKS, _H100_COMM = (100, 139, 35), 5
 
@@ -251,7 +251,7 @@ def test_shortest_block_period_at_v_min_memory_with_h100_costs(freed_at_b):
     microbatch holds on rank 0 (chunk 0 for its round trip, 20.1, chunk 1 for 2.7) over 4
     chunk-activations would allow 5.7 (the Little floor of bounds.py, default model), but the
     passes of the microbatches in flight collide on the ranks. So a steady state of one
-    repeated pattern loses 34% to 1F1B's full rate, and V-Min <= 1.10 x 1F1B (issue 15) is out
+    repeated pattern loses 34% to 1F1B's full rate, and V-Min <= 1.10 x 1F1B is out
     of its reach at p = 4: at m = 32 the pattern alone takes 31 x 7.36 = 228 > 1.10 x 194.4.
     The search's V-Min there runs 7.57 per microbatch (three microbatches per 22.7 on rank 0,
     1.296 x 1F1B); the block this model finds, repeated and polished, gave 1.2715 x (2% better;
@@ -263,7 +263,7 @@ def test_shortest_block_period_at_v_min_memory_with_h100_costs(freed_at_b):
                          freed_at_b=freed_at_b) in ("OPTIMAL", "FEASIBLE")
 
 
-# Case 4. Issue 15's V-Half target at the same H100 costs. At V-Half's 9 units (18 chunk-
+# Case 4. V-Half's steady state at the same H100 costs. At V-Half's 9 units (18 chunk-
 # activations) the block model above is slow at p = 16 (minutes per period), so this one counts
 # memory by Little's law instead of at its peak: in a steady state of one repeated pattern a
 # rank holds, on average over a period, (the time integral of what one microbatch holds there)
@@ -329,7 +329,7 @@ def test_shortest_block_period_at_v_half_memory_with_h100_costs(p, slowest_infea
         in ("OPTIMAL", "FEASIBLE")
 
 
-# Case 5. Issue 15's V-Min target at p = 16, same costs and model as case 4, at V-Min's 6 units
+# Case 5. V-Min within 1.10 x 1F1B at p = 16, same costs and model as case 4, at V-Min's 6 units
 # (12 chunk-activations).
 
 
@@ -340,7 +340,7 @@ def test_shortest_block_period_at_v_min_memory_p16_with_h100_costs(freed_at_b):
     every period tried below: 650-850 by 50, 851, 852), 1.558 x the compute, whether B frees
     nothing or three quarters. A V-Min whose microbatches all follow one pattern then starts
     rank 0's last forward of m = 64 at >= 63 x 8.53 = 537 at the earliest, past 1.10 x 1F1B's
-    whole makespan (484.4): that target of issue 15 is out of its reach at p = 16. What one
+    whole makespan (484.4): that target is out of its reach at p = 16. What one
     microbatch holds on a rank (its two round trips, 31 hops of F and B, about 82 time units
     of chunk-activations) over 12 would allow 6.8; the passes of the microbatches in flight
     collide on the ranks. The search's V-Min runs 8.66 per microbatch in steady state there

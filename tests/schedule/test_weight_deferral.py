@@ -1,4 +1,4 @@
-"""Issue 15: weight passes deferred to where their rank would wait (rewrite/weight_deferral.py)."""
+"""Weight passes deferred to where their rank would wait (rewrite/weight_deferral.py)."""
 from collections import Counter
 
 import pytest

@@ -98,10 +98,11 @@ from .improvements import (capped, defer_fastest, fill_fastest, fills_gaps, fina
                            polish_winner, polishes, relay_winner, relays, repeat_moves, repeats,
                            replays)
 from .pool import Pool, describe
+from .settings import SETTINGS, Settings
 from .critical_path_step import with_faster_tail
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units",
-           "clear_cache"]
+           "clear_cache", "Problem", "search_steps", "STEPS", "Step", "ALSO_TRY", "AlsoTry"]
 
 _EPS = 1e-9
 
@@ -115,8 +116,14 @@ class Step:
     when: Callable[[Pool], bool]
     run: Callable[[Pool], None]
     budget: str
-    """How many candidates it adds at most, or passes timed (large schedules get less: the
-    constants in its module, improvements.py or constructions.py, say how much and why)."""
+    """How many candidates it adds at most, or passes timed, in words whose numbers are
+    ``Settings`` fields (``{polished} x {polish_budget:,} passes``): the settings the search
+    runs with fill them in (``budget_in``), so the table says what runs."""
+
+    def budget_in(self, settings: Settings) -> str:
+        """The budget in words under ``settings``."""
+        return self.budget.format(**{field.name: getattr(settings, field.name)
+                                     for field in dataclasses.fields(settings)})
 
 
 def _always(pool: Pool) -> bool:
@@ -136,21 +143,38 @@ def _nothing_fits_untried(pool: Pool) -> bool:
 
 
 STEPS = (
-    #    name                  when                   run                budget
-    Step("fixed blocks",       _always,               fixed_blocks,      "3 (+2 slot-reordered)"),
-    Step("wave",               tries_wave,            wave,              "1"),
-    Step("family blocks",      _always,               family_blocks,     "6 closest under"),
-    Step("continuous blocks",  below_v_half,          continuous_blocks, "5 periods"),
-    Step("replay",             _always,               replays,           "4 x 2 slacks + 2 peaks"),
-    Step("re-lay",             _shapes,               relays,            "4 + finished, x 3"),
-    Step("polish",             _always,               polishes,          "3 x 100,000 passes"),
-    Step("wave, nothing fits", _nothing_fits_untried, wave,              "1"),
-    Step("none fits",          _nothing_fits,         none_fits,         "raises"),
-    Step("re-lay the winner",  _shapes,               relay_winner,      "1 x 4 shapes"),
-    Step("polish the winner",  _always,               polish_winner,     "600,000 passes"),
-    Step("W deferral",         _shapes,               defer_fastest,     "5 (+ a polish)"),
-    Step("gap fill",           fills_gaps,            fill_fastest,      "3 + 1 (+ a polish)"),
-    Step("repeated moves",     repeats,               repeat_moves,      "1,000,000 passes"),
+    #    name                  when                   run
+    #        budget (``Settings`` fields in braces)
+    Step("fixed blocks",       _always,               fixed_blocks,
+         "3 (+2 slot-reordered)"),
+    Step("wave",               tries_wave,            wave,
+         "1"),
+    Step("family blocks",      _always,               family_blocks,
+         "{family_budget} closest under"),
+    Step("continuous blocks",  below_v_half,          continuous_blocks,
+         "periods x{period_scales}"),
+    Step("replay",             _always,               replays,
+         "{replays} x slacks {replay_slack} + {extra_peaks} peaks, window {replay_windows} "
+         "({replays_large} + {extra_peaks_large} over {large_passes:,} passes)"),
+    Step("re-lay",             _shapes,               relays,
+         "{relaid} + finished, x 3 ({relaid_large} over {large_passes:,} passes)"),
+    Step("polish",             _always,               polishes,
+         "{polished} x {polish_budget:,} passes"),
+    Step("wave, nothing fits", _nothing_fits_untried, wave,
+         "1"),
+    Step("none fits",          _nothing_fits,         none_fits,
+         "raises"),
+    Step("re-lay the winner",  _shapes,               relay_winner,
+         "1 x 4 shapes"),
+    Step("polish the winner",  _always,               polish_winner,
+         "{final_polish_budget:,} passes ({final_polish_large:,} from "
+         "{final_polish_large_passes:,} passes)"),
+    Step("W deferral",         _shapes,               defer_fastest,
+         "{filled} (+ a polish)"),
+    Step("gap fill",           fills_gaps,            fill_fastest,
+         "{gaps_filled} + 1 (+ a polish)"),
+    Step("repeated moves",     repeats,               repeat_moves,
+         "{repeated_budget:,} passes"),
 )
 """The search under one memory model, in order (the module doc says what each buys)."""
 
@@ -169,8 +193,10 @@ class SearchResult:
 
 @collector_paused
 def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: float | None = None,
-           memory: MemoryModel = MemoryModel(), shapes: bool = True) -> SearchResult:
-    """The fastest V schedule whose peak memory is at most ``limit`` units (default: 1F1B's).
+           memory: MemoryModel = MemoryModel(), shapes: bool = True,
+           settings: Settings = SETTINGS) -> SearchResult:
+    """The fastest V schedule whose peak memory is at most ``limit`` units (default: 1F1B's),
+    found with the tuning constants ``settings`` (settings.py).
 
     ``shapes=False`` leaves out the re-laid warm-ups and cool-downs and the deferred W passes
     (module doc): the planner does so when a B *grows* the bytes kept (large TP: the output
@@ -179,13 +205,14 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
     on the last rank)."""
     costs = costs or Costs.build(ranks)
     limit = float(min(ranks, microbatches) if limit is None else limit)
-    return _search_cached(Problem(ranks, microbatches, costs, limit, memory, shapes))
+    return _search_cached(Problem(ranks, microbatches, costs, limit, memory, shapes, settings))
 
 
 @dataclass(frozen=True)
 class Problem:
-    """What one search is asked: the setting, the limit in units, the memory model, and
-    whether the re-laid shapes and deferred W passes may be used (``search``'s ``shapes``)."""
+    """What one search is asked: the setting, the limit in units, the memory model, whether
+    the re-laid shapes and deferred W passes may be used (``search``'s ``shapes``) and the
+    tuning constants; also the search's cache key."""
 
     ranks: int
     microbatches: int
@@ -193,6 +220,7 @@ class Problem:
     limit: float
     memory: MemoryModel
     shapes: bool
+    settings: Settings = SETTINGS
 
 
 @dataclass(frozen=True)
@@ -230,13 +258,11 @@ def _freeing_nothing(problem: Problem, found: list) -> list:
 
 
 def _under_the_model(problem: Problem, found: list) -> list:
-    return [_search_one(problem.ranks, problem.microbatches, problem.costs, problem.limit,
-                        problem.memory, problem.shapes)]
+    return [search_steps(problem)]
 
 
 def _refined_first(problem: Problem, found: list) -> list:
-    return _refined(found[0], problem.costs, problem.limit, problem.memory,
-                    freeing_nothing_at_b(problem.memory))
+    return _refined(found[0], problem)
 
 
 ALSO_TRY = (
@@ -259,7 +285,7 @@ def _search_cached(problem: Problem) -> SearchResult:
         if also.when(problem, found):
             found.extend(also.run(problem, found))
     best = min(found, key=lambda r: round(r.result.makespan, 9))  # ties: the first
-    best = _with_tail(best, problem.costs, problem.limit, problem.memory, problem.shapes)
+    best = _with_tail(best, problem)
     return dataclasses.replace(best, seconds=time.perf_counter() - started,
                                candidates=sum(r.candidates for r in found))
 
@@ -273,12 +299,12 @@ def _description(provenance: tuple[str, ...], limit: float) -> str:
     return f"auto: {describe(provenance)} (limit {limit:g} units)"
 
 
-def _with_tail(found: SearchResult, costs: Costs, limit: float, memory: MemoryModel,
-               shapes: bool) -> SearchResult:
+def _with_tail(found: SearchResult, problem: Problem) -> SearchResult:
     """``found`` with its cool-down re-scheduled critical path first where that is faster
     (critical_path_step.py); left out with ``shapes=False``, like the other re-laid cool-downs."""
-    if not shapes:
+    if not problem.shapes:
         return found
+    costs, limit, memory = problem.costs, problem.limit, problem.memory
     tailed = with_faster_tail(found.schedule, costs, memory, limit, found.result.makespan,
                               found.provenance)
     if tailed is None:
@@ -289,31 +315,37 @@ def _with_tail(found: SearchResult, costs: Costs, limit: float, memory: MemoryMo
                                provenance=provenance)
 
 
-def _refined(result: SearchResult, costs: Costs, limit: float, memory: MemoryModel,
-             base: MemoryModel) -> list[SearchResult]:
-    """``result`` refined under ``memory`` (freeing_at_b.py) within its peak under ``base``."""
+def _refined(result: SearchResult, problem: Problem) -> list[SearchResult]:
+    """``result`` refined under the problem's memory model (freeing_at_b.py) within its peak
+    under the model where B frees nothing."""
+    costs, limit, memory, settings = problem.costs, problem.limit, problem.memory, problem.settings
     schedule = result.schedule
     chunks = schedule.placement.chunks
-    cap = min(limit, max(peak_memory(schedule, base))) * chunks
+    cap = min(limit, max(peak_memory(schedule, freeing_nothing_at_b(memory)))) * chunks
     passes = sum(map(len, schedule.rank_actions))
+    budget = final_budget(schedule.placement.ranks, schedule.microbatches, settings)
     out = []
-    for how, orders in refined_under(schedule, costs, memory, cap, capped(
-            final_budget(schedule.placement.ranks, schedule.microbatches), passes)):
+    for how, orders in refined_under(schedule, costs, memory, cap,
+                                     capped(budget, passes, settings)):
         provenance = result.provenance + (how,)
         refined = schedule.with_actions(orders, description=_description(provenance, limit))
         out.append(SearchResult(refined, simulate(refined, costs, memory), 0.0, 1, provenance))
     return out
 
 
-def _search_one(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel,
-                shapes: bool) -> SearchResult:
-    """The search under one memory model: the ``STEPS`` in order, the fastest candidate."""
+def search_steps(problem: Problem) -> SearchResult:
+    """The search under the problem's memory model alone: the ``STEPS`` in order over one
+    pool, the fastest candidate (no ``ALSO_TRY`` around it, no critical-path cool-down, not
+    cached)."""
+    p, m, costs, limit, memory = (problem.ranks, problem.microbatches, problem.costs,
+                                  problem.limit, problem.memory)
     if not isinstance(p, int) or p < 2:
         raise ScheduleError(f"ranks must be an integer >= 2, got {p!r}")
     if not isinstance(m, int) or m < 1:
         raise ScheduleError(f"microbatches must be an integer >= 1, got {m!r}")
     started = time.perf_counter()
-    pool = Pool(Placement(p, Layout.V), m, costs, limit, memory, shapes)
+    pool = Pool(Placement(p, Layout.V), m, costs, limit, memory, problem.shapes,
+                problem.settings)
     for step in STEPS:
         if step.when(pool):
             step.run(pool)

@@ -22,10 +22,10 @@ from ..model.placement import Layout, Placement
 from ..model.schedule import Schedule
 from ..model.simulate import peak_memory
 from .pool import Pool
-from .settings import SETTINGS
 
 __all__ = ["InfeasibleMemoryError", "WAVE", "fixed_blocks", "tries_wave", "wave", "family_blocks",
-           "below_v_half", "continuous_blocks", "none_fits", "infeasible", "wave_orders"]
+           "below_v_half", "continuous_blocks", "none_fits", "infeasible", "wave_orders",
+           "fixed_block_over", "lifespan_bound", "probe_peak", "reaches_steady_state"]
 
 _EPS = 1e-9
 F, B = PassKind.F, PassKind.B
@@ -47,11 +47,11 @@ class InfeasibleMemoryError(ScheduleError):
 
 def fixed_blocks(pool: Pool) -> None:
     """V-Min, V-Half and V-ZB as the paper builds them, V-Min and V-Half also slot-reordered;
-    a block that surely exceeds the limit is not built (``_named_over``), nor one whose next
-    larger block surely fits (``_outgrown``)."""
+    a block that surely exceeds the limit is not built (``fixed_block_over``), nor one whose
+    next larger block surely fits (``_outgrown``)."""
     p, m, limit, memory = pool.placement.ranks, pool.microbatches, pool.limit, pool.memory
     for family in _FIXED:
-        if _named_over(family, p, m, limit, memory):  # its peak is known: skip the build
+        if fixed_block_over(family, p, m, limit, memory):  # its peak is known: skip the build
             pool.smallest.append((family.memory_bound(p), f"{family.name} block"))
             continue
         if _outgrown(family, p, limit):
@@ -66,7 +66,7 @@ def tries_wave(pool: Pool) -> bool:
     """Whether the wave is a construction (``wave_cheap_passes``); else it is only the
     fallback where nothing else fits."""
     p = pool.placement.ranks
-    return pool.limit >= p - _EPS or 6 * p * pool.microbatches <= SETTINGS.wave_cheap_passes
+    return pool.limit >= p - _EPS or 6 * p * pool.microbatches <= pool.settings.wave_cheap_passes
 
 
 def wave(pool: Pool) -> None:
@@ -79,7 +79,7 @@ def family_blocks(pool: Pool) -> None:
     those skipped unprobed go to ``pool.skipped`` (the error message's)."""
     p, m = pool.placement.ranks, pool.microbatches
     for offsets, block in _family_within(p, m, pool.limit, pool.memory, pool.smallest,
-                                         pool.skipped):
+                                         pool.skipped, pool.settings.family_budget):
         block = dataclasses.replace(block, memory_bound=pool.limit)
         pool.consider((f"V family block, {offsets.describe()}",),
                       functools.partial(compose, block, m))
@@ -93,7 +93,7 @@ def below_v_half(pool: Pool) -> bool:
 def continuous_blocks(pool: Pool) -> None:
     """periodic.py's cost-aware blocks at the ``period_scales`` periods."""
     p, m = pool.placement.ranks, pool.microbatches
-    for scale in SETTINGS.period_scales:
+    for scale in pool.settings.period_scales:
         pool.consider((f"continuous-offset block, period x{scale:g}",),
                       functools.partial(_periodic, p, m, pool.costs, scale))
 
@@ -111,7 +111,7 @@ def infeasible(pool: Pool) -> InfeasibleMemoryError:
     """The error when nothing fits: the smallest peak of anything built, of the family blocks
     skipped unprobed and of the wave at the least it can keep."""
     p, m = pool.placement.ranks, pool.microbatches
-    pool.smallest.extend((_probe_peak(block, m, pool.memory),
+    pool.smallest.extend((probe_peak(block, m, pool.memory),
                           f"V family block, {offsets.describe()}")
                          for offsets, block in pool.skipped)
     pool.smallest.extend(_least_wave(p, m, pool.costs, pool.memory))
@@ -135,7 +135,7 @@ def _outgrown(family, p: int, limit: float) -> bool:
     return bool(larger) and larger[0].memory_bound(p) <= limit + _EPS
 
 
-def _named_over(family, p: int, m: int, limit: float, memory: MemoryModel) -> bool:
+def fixed_block_over(family, p: int, m: int, limit: float, memory: MemoryModel) -> bool:
     """Whether a fixed block surely exceeds the limit. For m >= p (default memory model) its
     peak is exactly its bound, (p+4)//3, (p+2)//2 or p units (tests/schedule/test_search_pruning.py
     checks this for p up to 32), so building it only to reject it can be skipped."""
@@ -163,10 +163,10 @@ def _periodic(p: int, m: int, costs: Costs, scale: float) -> tuple:
 
 
 def _family_within(p: int, m: int, limit: float, memory: MemoryModel, smallest: list,
-                   skipped: list):
-    """Family blocks whose steady-state memory fits, the ``family_budget`` largest first.
+                   skipped: list, budget: int):
+    """Family blocks whose steady-state memory fits, the ``budget`` largest first.
 
-    A block whose lifespans alone exceed the limit (:func:`_lifespan_bound`) is not probed;
+    A block whose lifespans alone exceed the limit (:func:`lifespan_bound`) is not probed;
     it goes to ``skipped``, whose exact peaks matter only when nothing fits (the error message).
     """
     fitting = []
@@ -174,15 +174,16 @@ def _family_within(p: int, m: int, limit: float, memory: MemoryModel, smallest: 
         block = v_block(p, offsets)
         if block is None:
             continue
-        if _steady(block, m) and memory == MemoryModel() and _lifespan_bound(block) > limit + _EPS:
+        if (reaches_steady_state(block, m) and memory == MemoryModel()
+                and lifespan_bound(block) > limit + _EPS):
             skipped.append((offsets, block))
             continue
-        peak = _probe_peak(block, m, memory)
+        peak = probe_peak(block, m, memory)
         smallest.append((peak, f"V family block, {offsets.describe()}"))
         if peak <= limit + _EPS:
             fitting.append((-peak, offsets, block))
     fitting.sort(key=lambda x: (x[0], x[1]))
-    return [(offsets, block) for _, offsets, block in fitting[:SETTINGS.family_budget]]
+    return [(offsets, block) for _, offsets, block in fitting[:budget]]
 
 
 def _steady_microbatches(block) -> int:
@@ -190,17 +191,19 @@ def _steady_microbatches(block) -> int:
     return max(slot for rank in block.slots for _, slot in rank) // block.interval + 3
 
 
-def _steady(block, m: int) -> bool:
+def reaches_steady_state(block, m: int) -> bool:
+    """Whether ``m`` microbatches of the repeated block reach its steady state (where
+    :func:`lifespan_bound` bounds its peak)."""
     return m >= _steady_microbatches(block)
 
 
-def _probe_peak(block, m: int, memory: MemoryModel) -> float:
+def probe_peak(block, m: int, memory: MemoryModel) -> float:
     """Peak memory of a short repeat: steady state is reached after a lifespan of microbatches."""
     short = min(m, _steady_microbatches(block))
     return repeated_peak(block, short, memory) / Layout.V.chunks
 
 
-def _lifespan_bound(block) -> float:
+def lifespan_bound(block) -> float:
     """A lower bound (units) on a repeated V block's peak (paper: memory ~ lifespan / interval).
 
     On each rank a chunk's activation lives from its F to past its W, at least one slot after

@@ -19,7 +19,7 @@ from ..rewrite.replay import replay_in_time
 from ..rewrite.weight_deferral import defer_weight_passes
 from ..model.placement import Placement
 from .local import Improved, improve, improve_repeated
-from .settings import SETTINGS
+from .settings import Settings
 from .pool import Candidate, Pool, candidate_key, fastest_distinct, fresh
 
 __all__ = ["replays", "relays", "polishes", "relay_winner", "polish_winner", "defer_fastest",
@@ -30,7 +30,7 @@ _EPS = 1e-9
 
 def _large(pool: Pool) -> bool:
     """Whether the schedule has over ``large_passes`` passes: fewer replays and re-lays."""
-    return 6 * pool.placement.ranks * pool.microbatches > SETTINGS.large_passes
+    return 6 * pool.placement.ranks * pool.microbatches > pool.settings.large_passes
 
 
 def replays(pool: Pool) -> None:
@@ -39,11 +39,11 @@ def replays(pool: Pool) -> None:
     A base whose orders an earlier base has too (the V-Min block and the family block of
     offsets 1 at p = 16) is not replayed again: its replay would be a copy of that one's,
     later in the pool, so never the first of its orders anywhere (ties go to the earlier)."""
-    s = SETTINGS
+    s = pool.settings
     counts = (s.replays_large, s.extra_peaks_large) if _large(pool) else (s.replays, s.extra_peaks)
     replayed = set()
-    for base, slacks in _replay_bases(pool.candidates, *counts):
-        for window in SETTINGS.replay_windows:
+    for base, slacks in _replay_bases(pool.candidates, *counts, s.replay_slack):
+        for window in s.replay_windows:
             for slack in slacks:  # one chunk of slack: the replay's peak often lands lower
                 if (base.orders, window, slack) in replayed:
                     continue
@@ -59,7 +59,8 @@ def relays(pool: Pool) -> None:
     and cool-down re-laid (reshape_ends.py); over ``large_passes`` the fastest alone."""
     large = _large(pool)  # a re-lay times the order twice
     finished = [] if large else [c for c in pool.candidates if not c.replayable]
-    bases = fastest_distinct(pool.candidates, SETTINGS.relaid_large if large else SETTINGS.relaid)
+    s = pool.settings
+    bases = fastest_distinct(pool.candidates, s.relaid_large if large else s.relaid)
     starts = bases + fastest_distinct(finished, len(finished))
     for base in fresh(starts, pool.reshaped, pool.shapes):
         _reshape_ends(pool, base, int(base.peak * pool.placement.chunks + _EPS))
@@ -67,9 +68,9 @@ def relays(pool: Pool) -> None:
 
 def polishes(pool: Pool) -> None:
     """The ``polished`` fastest candidates improved by the local search (local.py)."""
-    for base in fastest_distinct(pool.candidates, SETTINGS.polished):
+    for base in fastest_distinct(pool.candidates, pool.settings.polished):
         pool.consider(base.provenance + ("polished",),
-                      functools.partial(_polish, pool, base.orders, SETTINGS.polish_budget))
+                      functools.partial(_polish, pool, base.orders, pool.settings.polish_budget))
 
 
 def relay_winner(pool: Pool) -> None:
@@ -87,13 +88,13 @@ def polish_winner(pool: Pool) -> None:
 
 def defer_fastest(pool: Pool) -> None:
     """The ``filled`` fastest with their W passes deferred; a winner among them polished."""
-    _then_polished(pool, functools.partial(_defer_fastest, pool, SETTINGS.filled))
+    _then_polished(pool, functools.partial(_defer_fastest, pool, pool.settings.filled))
 
 
 def fill_fastest(pool: Pool) -> None:
     """The ``gaps_filled`` fastest with their bubbles filled, the best of them W-deferred;
     a winner among them polished."""
-    _then_polished(pool, functools.partial(_fill_fastest, pool, SETTINGS.gaps_filled))
+    _then_polished(pool, functools.partial(_fill_fastest, pool, pool.settings.gaps_filled))
 
 
 def repeat_moves(pool: Pool) -> None:
@@ -113,7 +114,7 @@ def repeats(pool: Pool) -> bool:
     """Whether the search ends with the moves repeated per microbatch (``repeated_passes``)."""
     p = pool.placement.ranks
     return (pool.limit <= V_MIN.memory_bound(p) + _EPS
-            and 6 * p * pool.microbatches <= SETTINGS.repeated_passes)
+            and 6 * p * pool.microbatches <= pool.settings.repeated_passes)
 
 
 def _deferred(pool: Pool, base: Candidate) -> None:
@@ -145,11 +146,11 @@ def fills_gaps(pool: Pool) -> bool:
     """Whether the search fills unit-slot bubbles (``gaps_filled``): not with ``shapes=False``,
     and only where F, B and W take about as long as each other, not at 1F1B's memory, or where
     the schedule is small (``slot_spread``, ``gaps_cheap_passes``)."""
-    costs, p = pool.costs, pool.placement.ranks
-    if 6 * p * pool.microbatches <= SETTINGS.gaps_cheap_passes:
+    costs, p, s = pool.costs, pool.placement.ranks, pool.settings
+    if 6 * p * pool.microbatches <= s.gaps_cheap_passes:
         return pool.shapes
     return pool.shapes and abs(pool.limit - p) > _EPS and all(
-        max(f, b, w) <= SETTINGS.slot_spread * min(f, b, w)
+        max(f, b, w) <= s.slot_spread * min(f, b, w)
         for f, b, w in zip(costs.forward, costs.backward, costs.weight))
 
 
@@ -162,21 +163,22 @@ def _then_polished(pool: Pool, step: Callable[[], None]) -> None:
         _polish_further(pool, winner)
 
 
-def _replay_bases(pool: list[Candidate], count: int, extra: int) -> list[tuple[Candidate, tuple]]:
-    """(base, slacks) to replay: the ``count`` fastest candidates with every slack, then the
-    fastest candidate of each other memory peak with one chunk of slack (at most ``extra``).
+def _replay_bases(pool: list[Candidate], count: int, extra: int,
+                  slack: tuple) -> list[tuple[Candidate, tuple]]:
+    """(base, slacks) to replay: the ``count`` fastest candidates with every ``slack``, then
+    the fastest candidate of each other memory peak with the last slack (at most ``extra``).
 
     A replay fills stalls differently at each memory level, so the order before replay
     predicts the order after it poorly across levels (p = 16, m = 256, costs 1, 1.2, 0.8:
     the 7.5-unit block ranks fourth before replay and first after it).
     """
     ranked = sorted((c for c in pool if c.replayable), key=candidate_key)
-    bases = [(c, SETTINGS.replay_slack) for c in ranked[:count]]
+    bases = [(c, slack) for c in ranked[:count]]
     peaks = {c.peak for c in ranked[:count]}
     for candidate in ranked[count:]:
         if candidate.peak not in peaks and len(bases) < count + extra:
             peaks.add(candidate.peak)
-            bases.append((candidate, SETTINGS.replay_slack[-1:]))
+            bases.append((candidate, slack[-1:]))
     return bases
 
 
@@ -184,31 +186,31 @@ def _polish(pool: Pool, orders, budget: int) -> Improved:
     """``orders`` improved by the local search within the limit (local.py)."""
     passes = sum(len(order) for order in orders)
     return improve(pool.placement, pool.microbatches, orders, pool.costs, pool.cap, pool.memory,
-                   capped(budget, passes))
+                   capped(budget, passes, pool.settings))
 
 
 def _repeated(pool: Pool, orders) -> Improved:
     """``orders`` improved by moves repeated per microbatch (local.py), budgeted as ``_polish``."""
-    budget = capped(SETTINGS.repeated_budget, sum(len(order) for order in orders))
+    budget = capped(pool.settings.repeated_budget, sum(len(order) for order in orders),
+                    pool.settings)
     return improve_repeated(pool.placement, pool.microbatches, orders, pool.costs, pool.cap,
                             pool.memory, budget)
 
 
-def final_budget(p: int, m: int) -> int:
+def final_budget(p: int, m: int, s: Settings) -> int:
     """The last polish's budget: the smaller one from ``final_polish_large_passes`` on."""
-    s = SETTINGS
     large = 6 * p * m >= s.final_polish_large_passes
     return s.final_polish_large if large else s.final_polish_budget
 
 
-def capped(budget: int, passes: int) -> int:
+def capped(budget: int, passes: int, s: Settings) -> int:
     """``budget``, at most ``budget_per_pass`` per pass of the schedule."""
-    return min(budget, SETTINGS.budget_per_pass * passes)
+    return min(budget, s.budget_per_pass * passes)
 
 
 def _polish_further(pool: Pool, base: Candidate) -> None:
     """The last polish, with the larger budget (``final_budget``), as a candidate."""
-    budget = final_budget(pool.placement.ranks, pool.microbatches)
+    budget = final_budget(pool.placement.ranks, pool.microbatches, pool.settings)
     pool.consider(base.provenance + ("polished further",),
                   functools.partial(_polish, pool, base.orders, budget))
 

@@ -11,7 +11,7 @@ does, starting from any valid order:
                the awaited pass earlier on its own rank (within ``window`` positions)
     accept     the first move that keeps every rank within ``cap`` chunk-activations, does not
                deadlock (most moves at V-Min's memory would: checked before they are timed,
-               ``_Search._deadlocks``), and improves (makespan, sum of the ranks' finish
+               ``LocalSearch.deadlocks``), and improves (makespan, sum of the ranks' finish
                times, sum of all ends): the two tie-breakers let it cross the plateaus
 
 A move never reorders two forwards (or two backwards) of one stage, so microbatches stay in
@@ -40,7 +40,7 @@ from ..model.indexed import Dataflow, PassIndex, gather
 from ..model.placement import Placement
 from ..model.simulate import pass_durations
 
-__all__ = ["Improved", "improve"]
+__all__ = ["Improved", "improve", "improve_repeated", "LocalSearch", "DEADLOCK_PROBE"]
 
 _EPS = 1e-9
 _MOVE_COST = 100
@@ -54,17 +54,17 @@ the better basins at p = 4 (m 8-16: 7 of 9 changed points slower with critical-f
 _WINDOW = 6
 """How many positions a move may reach (improve's default)."""
 _KICKS = 3
-"""Random moves per kick of the iterated search (``_Search.run``): enough to leave a local
+"""Random moves per kick of the iterated search (``LocalSearch.run``): enough to leave a local
 optimum, few enough that the descent after it stays near the best found. Over p 4 and 8, m 2p
 and 4p, the costs 2,2.78,0.7,0.05 / 1,1.2,0.8,0.1 / 2,2,2,0.1 and the limits V-Min's, V-Half's
 and 3p/4 (36 searches) 1 and 6 kicks were each slower at 2 points (by up to 0.4%) and faster at
 none."""
-_PROBE = 64
-"""How many passes the deadlock check (``_Search._deadlocks``) visits before it gives up and
+DEADLOCK_PROBE = 64
+"""How many passes the deadlock check (``LocalSearch.deadlocks``) visits before it gives up and
 leaves the move to a timing: at the H100 costs it settles 97-100% of the deadlocked single
 moves of v-min's searches at p 4-16 (about 28 passes each at p = 16, m = 16) and 95% of
 v-half's at p = 16, m = 64. A move repeated per microbatch is not timed either when the move
-itself, made once, surely deadlocks (``_Search._repeated``)."""
+itself, made once, surely deadlocks (``LocalSearch.repeated``)."""
 W = PassKind.W
 _KINDS = (PassKind.F, PassKind.B, PassKind.W, PassKind.BW)
 
@@ -77,7 +77,7 @@ class Improved:
     """How many moves were accepted."""
 
 
-class _Search:
+class LocalSearch:
     """One local search (module doc): the current orders (as pass ids, indexed.py), their
     timing and the move loop. A move re-times only what starts at or after the first pass it
     touches, and the budget counts the passes re-timed (plus ``overhead`` per move)."""
@@ -131,7 +131,7 @@ class _Search:
         return max(itertools.accumulate(gather(self.delta, order))) <= self.cap + _EPS
 
     # -- moves -------------------------------------------------------------------------------
-    def _moves(self):
+    def moves(self):
         """(rank, from, to) moves of one pass earlier on its rank: the gaps on the critical
         path first (only they can shorten the makespan), each group biggest first."""
         critical = self._critical_path() if self.critical_first else set()
@@ -175,7 +175,7 @@ class _Search:
             else:
                 return path
 
-    def _blocked(self, order: list, i: int, j: int) -> bool:
+    def blocked(self, order: list, i: int, j: int) -> bool:
         """Whether the pass at j may not move to i < j: past its own dependency, or past a
         pass of its kind and stage (W passes may)."""
         mover = order[j]
@@ -188,19 +188,19 @@ class _Search:
 
     def _moved(self, r: int, j: int, i: int):
         """Rank r's order with the pass at j moved to i < j, or None when not allowed, when it
-        would deadlock (``_deadlocks``) or when it does not fit the cap."""
+        would deadlock (``deadlocks``) or when it does not fit the cap."""
         new = self._spliced(r, j, i)
         return new if new is not None and self._fits(new) else None
 
     def _spliced(self, r: int, j: int, i: int):
         """Rank r's order with the pass at j moved to i < j, or None when the move is not
-        allowed (``_blocked``) or surely deadlocks (``_deadlocks``); the cap is not checked."""
+        allowed (``blocked``) or surely deadlocks (``deadlocks``); the cap is not checked."""
         order = self.orders[r]
-        if self._blocked(order, i, j) or self._deadlocks(r, i, j):
+        if self.blocked(order, i, j) or self.deadlocks(r, i, j):
             return None
         return order[:i] + [order[j]] + order[i:j] + order[j + 1:]
 
-    def _deadlocks(self, r: int, i: int, j: int) -> bool:
+    def deadlocks(self, r: int, i: int, j: int) -> bool:
         """Whether moving rank r's pass at j to i < j surely deadlocks, found without timing
         the orders (a timing finds it only after re-laying everything from i: 65 us a move
         at p = 16, m = 16, where nine of ten moves of v-min's searches deadlock).
@@ -211,7 +211,7 @@ class _Search:
         or after its end, so the walk back from the dependency (each pass's dependency and
         the pass before it on its rank) stops at passes that start earlier, and finds the
         cycle when it reaches rank r at position i or later. It gives up (False: leaves the
-        move to the timing) after ``_PROBE`` passes. Each pass it visits is charged to the
+        move to the timing) after ``DEADLOCK_PROBE`` passes. Each pass it visits is charged to the
         budget like a pass timed, and a deadlock found also a move's fixed cost
         (``overhead``), as when the timing found it: the budget buys about the moves it
         bought before (over 384 named builds and searches, p 4-16, four cost ratios, both
@@ -228,7 +228,7 @@ class _Search:
             return False
         dep, where, orders = self.index.dep, self.where, self.orders
         stack, seen, visited = [(q, k)], {(q, k)}, 0
-        while stack and visited < _PROBE:
+        while stack and visited < DEADLOCK_PROBE:
             q, k = stack.pop()
             visited += 1
             before = dep[orders[q][k]]
@@ -244,12 +244,12 @@ class _Search:
         self.timed += visited
         return False
 
-    def _repeated(self, r: int, j: int, i: int, period: int):
+    def repeated(self, r: int, j: int, i: int, period: int):
         """(order, first position changed) of rank r with the move of the pass at j to i made
         in every period of ``period`` microbatches (module doc), nearest periods first, or
         None when the move itself is not allowed or is made only once (a single move).
 
-        Nor when the move made once surely deadlocks (``_deadlocks``): its cycle runs through
+        Nor when the move made once surely deadlocks (``deadlocks``): its cycle runs through
         passes that start after the gap, which the copies of the move further away rarely
         reorder. In v-min's repeated descents (p = 4, m = 32 and p = 8, m = 16, costs H100 and
         2,2.4,1.6,0.1) 3,088 repeated moves were timed whose single move surely deadlocked,
@@ -272,7 +272,7 @@ class _Search:
             at, to = where.get(mover + shift), where.get(anchor + shift)
             if at is None or to is None:  # that microbatch's pass is fused (BW) or split
                 continue
-            if at <= to or self._blocked(new, to, at):
+            if at <= to or self.blocked(new, to, at):
                 continue
             new[to:at + 1] = [new[at]] + new[to:at]
             for k in range(to, at + 1):
@@ -285,10 +285,10 @@ class _Search:
         when 0) until none is left or ``budget`` passes were timed."""
         accepted = 0
         while self.timed < budget:
-            for r, j, i in self._moves():
+            for r, j, i in self.moves():
                 if self.timed >= budget:
                     return accepted
-                moved = self._repeated(r, j, i, period) if period else \
+                moved = self.repeated(r, j, i, period) if period else \
                     self._single(r, j, i)
                 if self._adopt(r, moved, lambda score: score < self.score):
                     accepted += 1
@@ -387,7 +387,7 @@ def improve_repeated(placement: Placement, microbatches: int, orders, costs: Cos
     while spent < budget:
         start = best.makespan
         for period in periods:
-            search = _Search(placement, microbatches, best.orders, costs, cap, memory, _WINDOW)
+            search = LocalSearch(placement, microbatches, best.orders, costs, cap, memory, _WINDOW)
             search.critical_first = False
             moves += search.descend(budget - spent, period)
             spent += search.timed + polish
@@ -403,9 +403,9 @@ def improve_repeated(placement: Placement, microbatches: int, orders, costs: Cos
 
 
 def _started(placement: Placement, microbatches: int, orders, costs: Costs, cap: float,
-             memory: MemoryModel, window: int) -> _Search:
+             memory: MemoryModel, window: int) -> LocalSearch:
     """A search from ``orders``, which must run and fit ``cap``."""
-    search = _Search(placement, microbatches, orders, costs, cap, memory, window)
+    search = LocalSearch(placement, microbatches, orders, costs, cap, memory, window)
     if search.score is None:
         raise ScheduleError("local search: the starting orders deadlock")
     if any(not search._fits(o) for o in search.orders):

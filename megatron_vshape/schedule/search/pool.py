@@ -20,6 +20,7 @@ from ..model.placement import Placement
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of, peak_memory
 from .local import Improved
+from .settings import Settings
 
 __all__ = ["Candidate", "Pool", "TIMED", "candidate_key", "describe", "fastest_distinct", "fresh"]
 
@@ -61,6 +62,8 @@ class Pool:
     limit: float
     memory: MemoryModel
     shapes: bool
+    settings: Settings
+    """The tuning constants every step reads (settings.py)."""
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
     smallest: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     """(peak, description) of every order built, within the limit or not."""
@@ -90,7 +93,7 @@ class Pool:
         """Builds a candidate and keeps it when it fits the limit and its orders run; a
         construction that cannot be built (ScheduleError) adds nothing. A replay and the local
         search time their orders themselves (``TIMED``): not timed again. Only the winner is
-        simulated in full (adaptive.py's ``_search_one``)."""
+        simulated in full (adaptive.py's ``search_steps``)."""
         try:
             built = build()
         except ScheduleError:

@@ -127,5 +127,5 @@ class Settings:
 
 
 SETTINGS = Settings()
-"""The settings every search uses (a test may patch a module's ``SETTINGS`` with
-``dataclasses.replace``)."""
+"""The settings every search uses unless it is given others (``search(..., settings=
+dataclasses.replace(SETTINGS, gaps_filled=0))``); the ``STEPS`` table's budgets read them."""
