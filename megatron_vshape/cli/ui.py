@@ -14,13 +14,15 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, TypeVar
 
-__all__ = ["subcommand", "add_progress_argument", "progress", "counting", "working"]
+__all__ = ["subcommand", "add_progress_argument", "progress", "counting", "working", "DELAY_S",
+           "REFRESH_S"]
 
 T = TypeVar("T")
 
-_DELAY_S = 1.0
+DELAY_S = 1.0
 """Progress shows only once a command has run this long: quick runs print nothing extra."""
-_REFRESH_S = 0.2
+REFRESH_S = 0.2
+"""How often the elapsed-time line (``working``) is redrawn."""
 
 
 def subcommand(sub, name: str, help: str, description: str,
@@ -50,7 +52,7 @@ def progress(items: Iterable[T], args, desc: str, unit: str) -> Iterator[T]:
         return
     from tqdm import tqdm
 
-    with tqdm(items, desc=desc, unit=unit, file=sys.stderr, delay=_DELAY_S, leave=False) as bar:
+    with tqdm(items, desc=desc, unit=unit, file=sys.stderr, delay=DELAY_S, leave=False) as bar:
         yield from bar
 
 
@@ -63,7 +65,7 @@ def counting(args, total: int, desc: str, unit: str) -> Iterator[Callable[[], No
         return
     from tqdm import tqdm
 
-    with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, delay=_DELAY_S,
+    with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, delay=DELAY_S,
               leave=False) as bar:
         yield bar.update
 
@@ -78,7 +80,7 @@ def working(args, desc: str) -> Iterator[None]:
     from tqdm import tqdm
 
     stop = threading.Event()
-    with tqdm(desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr, delay=_DELAY_S,
+    with tqdm(desc=desc, bar_format="{desc}: {elapsed}", file=sys.stderr, delay=DELAY_S,
               leave=False) as bar:
         ticker = threading.Thread(target=_tick, args=(bar, stop), daemon=True)
         ticker.start()
@@ -90,5 +92,5 @@ def working(args, desc: str) -> Iterator[None]:
 
 
 def _tick(bar, stop: threading.Event) -> None:
-    while not stop.wait(_REFRESH_S):
+    while not stop.wait(REFRESH_S):
         bar.update(0)  # redraws the elapsed time; unlike refresh(), it honours ``delay``

@@ -28,7 +28,7 @@ from .model import is_v_placed
 from .versions import check_megatron_core_version
 
 __all__ = ["VShapeConfig", "install", "uninstall", "OURS", "MEGATRON_SCHEDULES",
-           "VPlacementError"]
+           "VPlacementError", "ForwardBackwardGetter"]
 
 OURS = PLUGIN_SCHEDULES
 """Schedules this plugin runs; 1f1b and interleaved-1f1b stay megatron's own
@@ -74,7 +74,7 @@ class VShapeConfig:
             self.schedule, self.variant, self.replan_after, self.timeout, self.memory_limit))
 
 
-class _Wrapper:
+class ForwardBackwardGetter:
     """The replacement ``get_forward_backward_func`` (keeps the original for delegation)."""
 
     def __init__(self, original, config: VShapeConfig):
@@ -161,8 +161,8 @@ def install(config: VShapeConfig = VShapeConfig()) -> VShapeConfig:
         if module is None or not hasattr(module, "get_forward_backward_func"):
             continue
         current = module.get_forward_backward_func
-        original = current.original if isinstance(current, _Wrapper) else current
-        module.get_forward_backward_func = _Wrapper(original, config)
+        original = current.original if isinstance(current, ForwardBackwardGetter) else current
+        module.get_forward_backward_func = ForwardBackwardGetter(original, config)
         found = True
     if not found:
         raise ImportError("megatron-core is not importable: pip install 'megatron-core==0.16.*'")
@@ -175,7 +175,7 @@ def uninstall() -> None:
     for name in _NAMESPACES:
         module = sys.modules.get(name)
         current = getattr(module, "get_forward_backward_func", None)
-        if isinstance(current, _Wrapper):
+        if isinstance(current, ForwardBackwardGetter):
             module.get_forward_backward_func = current.original
     if _SCHEDULES_MODULE in sys.modules:
         _unguard_megatron_schedules(sys.modules[_SCHEDULES_MODULE])

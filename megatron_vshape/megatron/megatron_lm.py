@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["add_arguments", "check_arguments", "vshape_config", "VChunkProvider",
            "VBatch", "VForwardStep", "is_v_dataset_rank", "packed_seq_params",
-           "deferred_standard_provider", "check_weight_grads_split"]
+           "deferred_standard_provider", "check_weight_grads_split", "weights_kept_in_b"]
 
 
 
@@ -357,7 +357,7 @@ def check_weight_grads_split(chunk, schedule: str) -> None:
             "Linear of --transformer-impl local, and Transformer Engine linears built with "
             "delay_wgrad_compute): use megatron's GPT layer specs with --transformer-impl "
             "local or transformer_engine, or --pipeline-schedule 1f1b")
-    kept = _weights_kept_in_b(chunk, te)
+    kept = weights_kept_in_b(chunk, te)
     if kept:
         log.warning("[vshape] %s: these layers compute their weight gradients in B, not W "
                     "(neither the local split nor TE's covers them): %s", schedule,
@@ -375,7 +375,7 @@ moe_utils.RouterGatingLinearFunction, which the local split does not reach); the
 gradients in W."""
 
 
-def _weights_kept_in_b(chunk, te_modules) -> set:
+def weights_kept_in_b(chunk, te_modules) -> set:
     """Type names of the chunk's layers with matrix weights that neither split defers."""
     head = getattr(chunk, "output_layer", None)
     covered = {id(m) for m in te_modules}

@@ -42,11 +42,12 @@ import logging
 import sys
 
 from .checkpoints import checked_load_checkpoint
-from .install import OURS, VShapeConfig, _Wrapper
+from .install import ForwardBackwardGetter, OURS, VShapeConfig
 from ..schedule.names import V_SCHEDULES
 from .megatron_lm import check_arguments, vshape_config
 
-__all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED"]
+__all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED",
+           "refuse_yaml_config"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def patch_megatron_lm() -> None:
     from megatron.training import training
 
     _wrap_validate_args()
-    _refuse_yaml_config()
+    refuse_yaml_config()
     if not getattr(training.DistributedDataParallelConfig, "vshape_delayed", False):
         training.DistributedDataParallelConfig = _delayed_wgrad_ddp_config(
             training.DistributedDataParallelConfig)
@@ -102,7 +103,7 @@ def _wrap_validate_args() -> None:
         module.validate_args = wrapper
 
 
-def _refuse_yaml_config() -> None:
+def refuse_yaml_config() -> None:
     """--yaml-cfg replaces every command-line flag (--pipeline-schedule too) by the YAML
     file's and validates them with validate_yaml, which the plugin does not wrap: a V run
     would reach the model provider without two chunks per rank, a zb-1p run would run megatron's
@@ -164,7 +165,7 @@ def _binding_problem(function, config: VShapeConfig) -> str | None:
     if "get_forward_backward_func" in code.co_varnames:
         return "imports get_forward_backward_func itself (a local binding)"
     found = inspect.unwrap(function).__globals__.get("get_forward_backward_func")
-    if not isinstance(found, _Wrapper):
+    if not isinstance(found, ForwardBackwardGetter):
         return (f"resolves get_forward_backward_func to {getattr(found, '__module__', '?')}."
                 f"{getattr(found, '__qualname__', repr(found))}, not the plugin's wrapper")
     if found.config is not config:

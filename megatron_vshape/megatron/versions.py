@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Mapping
 
 __all__ = ["SUPPORTED_SERIES", "OVERRIDE_ENV", "UnsupportedMegatronError",
-           "installed_megatron_core_version", "is_supported", "check_megatron_core_version"]
+           "installed_megatron_core_version", "is_supported", "check_megatron_core_version",
+           "package_info_version"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def installed_megatron_core_version() -> str | None:
     ``+<git sha>`` part a source checkout appends. Read from the imported module when megatron
     is already imported, else from the package_info.py an import would load, else from the
     distribution's metadata."""
-    version = _imported_version() or _source_version() or _metadata_version()
+    version = _imported_version() or package_info_version() or _metadata_version()
     return None if version is None else version.split("+", 1)[0]
 
 
@@ -77,7 +78,7 @@ def _imported_version() -> str | None:
     return getattr(module, "__version__", None)
 
 
-def _source_version() -> str | None:
+def package_info_version() -> str | None:
     """MAJOR.MINOR.PATCH+PRE_RELEASE from megatron/core/package_info.py, not executed (it
     runs git in a checkout)."""
     try:

@@ -43,7 +43,7 @@ from .p2p import TensorSpec, Transport
 from .stages import StageCompute
 from .streams import StreamGroups, route_of
 
-__all__ = ["RunnerConfig", "StepResult", "PipelineRunner"]
+__all__ = ["RunnerConfig", "StepResult", "PipelineRunner", "receive_posting_points"]
 
 _MEASURED = (PassKind.F, PassKind.B)
 """Passes whose change of the tracked bytes a step records (the memory model's F and B)."""
@@ -118,7 +118,7 @@ class _StepState:
     pass_bytes: list = field(default_factory=list)   # (action, tracked bytes change): F and B
 
 
-def _receive_posting_points(actions: Sequence[Action], lookahead: int) -> dict[int, list[int]]:
+def receive_posting_points(actions: Sequence[Action], lookahead: int) -> dict[int, list[int]]:
     """Action index -> indices of the receives to post just before running it."""
     computes = [i for i, a in enumerate(actions) if a.kind.is_compute]
     points: dict[int, list[int]] = {}
@@ -160,7 +160,7 @@ class PipelineRunner:
         self._failed: int | None = None
         self._lists = {mode: lower(s).rank_actions[self.rank]
                        for mode, s in ((True, schedule), (False, schedule.forward_only()))}
-        self._posting = {mode: _receive_posting_points(acts, config.recv_lookahead)
+        self._posting = {mode: receive_posting_points(acts, config.recv_lookahead)
                          for mode, acts in self._lists.items()}
         self._sleep = (action_durations(schedule, config.emulate)[self.rank]
                        if config.emulate is not None else None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_vshape import __version__
-from megatron_vshape.cli import _path_error, build_parser, demo, main, ui
+from megatron_vshape.cli import build_parser, demo, main, ui
 from megatron_vshape.configs import CONFIG_DIR
 from megatron_vshape.experiments import expand, load_grid
 from megatron_vshape.experiments.grid import PLAN_RULE, prune
@@ -45,8 +45,8 @@ def _terminal(monkeypatch) -> _Terminal:
     test itself: pytest puts its own standard error back between a fixture and the test."""
     stream = _Terminal()
     monkeypatch.setattr(sys, "stderr", stream)
-    monkeypatch.setattr(ui, "_DELAY_S", 0.0)
-    monkeypatch.setattr(ui, "_REFRESH_S", 0.01)
+    monkeypatch.setattr(ui, "DELAY_S", 0.0)
+    monkeypatch.setattr(ui, "REFRESH_S", 0.01)
     return stream
 
 
@@ -111,14 +111,24 @@ def _with_handler(parser, handler):
     return parser
 
 
-def test_other_path_errors_do_not_say_cannot_write():
-    args = argparse.Namespace(output="out/x.png", csv=None)
-    written = OSError(2, "No such file or directory", "out/x.png")
-    read = OSError(13, "Permission denied", "/etc/shadow")
-    inside = OSError(28, "No space left on device", "out/x.png/part")
-    assert _path_error(args, written) == "cannot write out/x.png: No such file or directory"
-    assert _path_error(args, read) == "/etc/shadow: Permission denied"
-    assert _path_error(argparse.Namespace(output="out"), inside).startswith("cannot write ")
+def test_other_path_errors_do_not_say_cannot_write(tmp_path, capsys, monkeypatch):
+    """An OSError about a path, raised by the subcommand, is one line: ``cannot write`` only
+    where the path is the output or under it."""
+    out = str(tmp_path / "x.png")
+    argv = ["render", "--schedule", "v-half", "-p", "4", "-m", "8", "-o", out]
+    for error, said in [
+            (OSError(2, "No such file or directory", out),
+             f"cannot write {out}: No such file or directory"),
+            (OSError(13, "Permission denied", "/etc/shadow"), "/etc/shadow: Permission denied"),
+            (OSError(28, "No space left on device", f"{out}/part"),
+             f"cannot write {out}/part: No space left on device")]:
+        def fail(args, error=error):
+            raise error
+
+        parser = _with_handler(build_parser(), fail)
+        monkeypatch.setattr("megatron_vshape.cli.build_parser", lambda: parser)
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"vshape: error: {said}\n"
 
 
 def test_output_cut_short_by_a_closed_pipe_is_no_traceback():
@@ -167,7 +177,7 @@ def test_compare_shows_progress_on_a_terminal_only(monkeypatch):
 
 
 def test_no_progress_when_standard_error_is_not_a_terminal(capsys, monkeypatch):
-    monkeypatch.setattr(ui, "_DELAY_S", 0.0)
+    monkeypatch.setattr(ui, "DELAY_S", 0.0)
     assert main(["search", "-p", "4", "-m", "8", "--memory-limit", "0.5"]) == 0
     assert capsys.readouterr().err == ""
 
@@ -186,7 +196,7 @@ def test_long_commands_show_elapsed_time(argv, desc, monkeypatch):
 
 
 def test_progress_waits_before_it_shows(monkeypatch):
-    """Quick commands print nothing extra: progress appears only after _DELAY_S."""
+    """Quick commands print nothing extra: progress appears only after DELAY_S."""
     stream = _Terminal()
     monkeypatch.setattr(sys, "stderr", stream)
     args = argparse.Namespace(no_progress=False)

@@ -161,7 +161,7 @@ def test_recomputation_trains_like_megatrons_1f1b_with_it(kind):
             assert all(bool((grads[k] == ref_grads[k]).all()) for k in grads), name
 
 
-# Issue 5's limits at PP = 4: measured peak vs megatron's own 1F1B <= simulated ratio + 0.03.
+# At PP = 4 the measured peak over megatron's own 1F1B's stays within the simulated ratio + 0.03.
 LIMITS = {"v-half": 0.78, "v-min": 0.53, "v-zb": 1.03}
 
 

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from megatron_vshape.megatron.install import VShapeConfig, _Wrapper
+from megatron_vshape.megatron.install import ForwardBackwardGetter, VShapeConfig
 from megatron_vshape.megatron.megatron_lm_patch import SUPPORTED, check_schedule_binding
 
 _LOOP = '''
@@ -43,7 +43,7 @@ def _training(monkeypatch, source: str = _LOOP, binding=None):
 
 def test_the_installed_wrapper_passes(monkeypatch, caplog):
     config = VShapeConfig(schedule="v-half")
-    _training(monkeypatch, binding=_Wrapper(megatrons_own, config))
+    _training(monkeypatch, binding=ForwardBackwardGetter(megatrons_own, config))
     with caplog.at_level("INFO", logger="megatron_vshape"):
         check_schedule_binding(config)
     assert "train() and evaluate() get their schedule from the plugin's" in caplog.text
@@ -61,7 +61,8 @@ def test_megatrons_own_function_is_refused_naming_it_and_the_supported_versions(
 
 
 def test_a_wrapper_of_another_configuration_is_refused(monkeypatch):
-    _training(monkeypatch, binding=_Wrapper(megatrons_own, VShapeConfig(schedule="v-zb")))
+    other = VShapeConfig(schedule="v-zb")
+    _training(monkeypatch, binding=ForwardBackwardGetter(megatrons_own, other))
     with pytest.raises(RuntimeError, match="a wrapper of schedule 'v-zb', not the one installed "
                                            r"\('v-half'\)"):
         check_schedule_binding(VShapeConfig(schedule="v-half"))
@@ -73,7 +74,7 @@ def test_a_local_import_is_refused(monkeypatch):
     source = _LOOP.replace("def evaluate():\n", "def evaluate():\n    from megatron.core."
                            "pipeline_parallel import get_forward_backward_func\n")
     config = VShapeConfig(schedule="zb-1p")
-    _training(monkeypatch, source, binding=_Wrapper(megatrons_own, config))
+    _training(monkeypatch, source, binding=ForwardBackwardGetter(megatrons_own, config))
     with pytest.raises(RuntimeError, match=r"training\.evaluate imports "
                                            "get_forward_backward_func itself"):
         check_schedule_binding(config)
@@ -82,7 +83,7 @@ def test_a_local_import_is_refused(monkeypatch):
 def test_a_loop_that_never_asks_is_refused(monkeypatch):
     source = _LOOP.replace("return get_forward_backward_func()", "return None")
     config = VShapeConfig(schedule="auto")
-    _training(monkeypatch, source, binding=_Wrapper(megatrons_own, config))
+    _training(monkeypatch, source, binding=ForwardBackwardGetter(megatrons_own, config))
     with pytest.raises(RuntimeError, match=r"training\.train does not call "
                                            "get_forward_backward_func"):
         check_schedule_binding(config)
@@ -113,15 +114,15 @@ def test_patch_megatron_lm_refuses_an_unsupported_megatron_core_first(monkeypatc
 def test_yaml_config_is_refused_where_megatron_lm_validates_it(monkeypatch):
     """--yaml-cfg replaces the command-line flags and skips validate_args (the plugin's hook):
     patch_megatron_lm makes validate_yaml, wherever Megatron-LM looks it up, refuse it."""
-    from megatron_vshape.megatron.megatron_lm_patch import _refuse_yaml_config
+    from megatron_vshape.megatron.megatron_lm_patch import refuse_yaml_config
 
     modules = {}
     for name in ("megatron.training.yaml_arguments", "megatron.training.initialize"):
         modules[name] = types.ModuleType(name)
         modules[name].validate_yaml = lambda args, defaults={}: args
         monkeypatch.setitem(sys.modules, name, modules[name])
-    _refuse_yaml_config()
-    _refuse_yaml_config()  # idempotent
+    refuse_yaml_config()
+    refuse_yaml_config()  # idempotent
     for module in modules.values():
         with pytest.raises(ValueError, match="does not support --yaml-cfg.*pass the flags on the "
                                              "command line"):

@@ -58,7 +58,7 @@ def test_installed_version_is_the_distributions():
         expected = importlib.metadata.version("megatron-core").split("+")[0]
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("megatron-core is not installed")
-    assert versions._source_version() == expected
+    assert versions.package_info_version() == expected
     assert versions.installed_megatron_core_version() == expected
     assert is_supported(expected), f"CI runs megatron-core {expected}: not a supported release"
 

@@ -83,7 +83,7 @@ def test_every_schedule_trains_the_same_losses(p4_transformer):
             assert step == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
-# Issue 4's limits: measured peak activation memory vs 1F1B's <= the simulator's ratio + 0.03.
+# The measured peak activation memory over 1F1B's stays within the simulator's ratio + 0.03.
 LIMITS_P4 = {"v-half": 0.78, "v-min": 0.53, "v-zb": 1.03}
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from megatron_vshape.runtime import (ActivationTracker, DeferredLinear, PipelineRunner,
                                      RunnerConfig, WeightGradStore, defer_linear_weight_grads)
 from megatron_vshape.runtime.backward import deallocate, run_backward
-from megatron_vshape.runtime.interpreter import _receive_posting_points
+from megatron_vshape.runtime.interpreter import receive_posting_points
 from megatron_vshape.runtime.p2p import TensorSpec, Transport
 from megatron_vshape.runtime.streams import route_of
 from megatron_vshape.runtime.toy import ToyModel, build_layers, make_batch, reference_step
@@ -125,7 +125,7 @@ def test_receives_are_posted_before_use_in_stream_order(name, p, m, lookahead):
     assume(name != "interleaved-1f1b" or m % p == 0)
     low = lower(build_schedule(name, p, m))
     for r, actions in enumerate(low.rank_actions):
-        points = _receive_posting_points(actions, lookahead)
+        points = receive_posting_points(actions, lookahead)
         order = [j for i in sorted(points) for j in points[i]]
         assert sorted(order) == [j for j, a in enumerate(actions) if a.kind.is_recv]
         assert order == sorted(order)  # list order: per-stream FIFO as validated

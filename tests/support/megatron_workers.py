@@ -394,7 +394,7 @@ def moe_weight_grads_in_w(rank, world):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_vshape.megatron.megatron_lm import _weights_kept_in_b
+    from megatron_vshape.megatron.megatron_lm import weights_kept_in_b
     from megatron_vshape.megatron.wgrad import defer_weight_grads
     from megatron_vshape.runtime.wgrad import WeightGradStore
 
@@ -424,5 +424,5 @@ def moe_weight_grads_in_w(rank, world):
     want = dict(reference.named_parameters())
     diff = max(float((p.grad - want[n].grad).abs().max()) for n, p in split.named_parameters())
     return {"registered": registered, "in_b": in_b, "diff": diff, "pending": store.pending,
-            "kept": sorted(_weights_kept_in_b(split, [])),
+            "kept": sorted(weights_kept_in_b(split, [])),
             "experts": sorted(n for n, _ in split.named_parameters() if "experts" in n)}
