@@ -11,7 +11,7 @@ from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Sch
                                       simulate, validate)
 from megatron_vshape.schedule.construct.greedy import Policy, greedy_schedule
 from megatron_vshape.schedule.names import MEMORY_LEVELS
-from megatron_vshape.schedule.search.levels import memory_level
+from megatron_vshape.schedule.search.levels import ALSO_TRY, Level, memory_level
 from megatron_vshape.schedule.search import local
 from megatron_vshape.schedule.search.local import LocalSearch, improve, improve_repeated
 from conftest import B_FREES, h100_costs
@@ -207,3 +207,20 @@ def test_greedy_one_chunk_orders_are_valid_and_refuse_an_impossible_limit():
         assert simulate(schedule, c, B_FREES).makespan <= found.makespan + 1e-9
     with pytest.raises(ScheduleError, match="cannot hold one microbatch"):
         greedy_schedule(placement, m, c, 0.5)
+
+
+@pytest.mark.parametrize("memory", [MemoryModel(), B_FREES], ids=["default", "b-frees"])
+def test_a_named_build_is_the_fastest_answer_of_its_rows(memory, fresh_caches):
+    """levels.ALSO_TRY: the level's search, the paper's order and, where B frees memory, the
+    name where it frees nothing; the build is at least as fast as every answer and within
+    the level (p = 4, m = 16, H100 costs, v-half)."""
+    p, m, c = 4, 16, h100_costs(4)
+    level = Level("v-half", p, m, c, memory)
+    rows = [row for row in ALSO_TRY if row.when(level, [])]
+    frees = ["B frees nothing"] if memory != MemoryModel() else []
+    assert [row.name for row in rows] == ["the level's search", "paper order"] + frees
+    answers = [answer for row in rows for answer, _ in row.run(level, [])]
+    built = build_schedule("v-half", p, m, c, memory=memory)
+    timed = simulate(built, c, memory)
+    assert timed.makespan <= min(simulate(a, c, memory).makespan for a in answers) + 1e-9
+    assert timed.peak_memory_max <= memory_level("v-half", p) + 1e-9

@@ -82,7 +82,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
@@ -226,11 +226,13 @@ class Problem:
 @dataclass(frozen=True)
 class AlsoTry:
     """A step around the search under one model: when its gate holds, it adds answers, and
-    the fastest of all answers is kept (ties: the first)."""
+    the fastest of all answers is kept (ties: the first). Its gate and its step take what was
+    asked (a ``Problem`` here, a named build's ``Level`` in levels.py's table) and the answers
+    so far."""
 
     name: str
-    when: Callable[[Problem, list], bool]
-    run: Callable[[Problem, list], list]
+    when: Callable[[Any, list], bool]
+    run: Callable[[Any, list], list]
 
 
 def _frees_at_b(problem: Problem, found: list) -> bool:

@@ -12,7 +12,9 @@ activation memory, not for one particular order. So each name stands for a limit
 The search re-schedules its answer's cool-down critical path first (search/critical_path_step.py),
 kept where that is faster (at p = 16 it is: v-min at m = 64 and the H100 costs 615.36 -> 612.75);
 where the paper's order, or under a model that frees at B the default model's answer, is faster than
-the search's, that one gets the same step here.
+the search's, that one gets the same step here. Those three answers are the rows of this module's
+``ALSO_TRY`` table over one ``Level`` (the name, the setting, the memory model), as the search's
+own are of adaptive.py's over one ``Problem``.
 
 Levels are in units of one microbatch's activations of a rank's layer share, under the
 default memory model; under another model (B freeing part of a chunk) the same number of units
@@ -24,7 +26,9 @@ The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 from ..construct.compose import compose, repeat
 from ..construct.greedy import Policy, greedy_schedule
@@ -35,14 +39,13 @@ from ..model.costs import Costs, MemoryModel
 from ..model.schedule import Schedule
 from ..names import MEMORY_LEVELS
 from ..model.simulate import makespan_of, peak_memory
-from .adaptive import clear_cache as clear_search_cache, search
+from .adaptive import AlsoTry, clear_cache as clear_search_cache, search
 from .freeing_at_b import freeing_nothing_at_b
 from .gc_pause import collector_paused
 from .pool import describe
 from .critical_path_step import with_faster_tail
 
-__all__ = ["memory_level", "fastest_at_level", "clear_caches"]
-"""The names that are memory levels (1f1b and interleaved-1f1b stay fixed orders)."""
+__all__ = ["memory_level", "fastest_at_level", "clear_caches", "Level", "ALSO_TRY"]
 
 _ZB_POLICIES = (Policy(), Policy(ranked_warm_up=True, alternate=True))
 """The greedy's policies for one chunk: between them the fastest of all 64 policies of
@@ -63,39 +66,93 @@ def fastest_at_level(name: str, ranks: int, microbatches: int, costs: Costs | No
                      memory: MemoryModel = MemoryModel()) -> Schedule:
     """The fastest order found for ``name`` at its memory level (module doc)."""
     costs = costs or Costs.build(ranks)
-    return _fastest_cached(name, ranks, microbatches, costs, memory)[0]
+    return _fastest_cached(Level(name, ranks, microbatches, costs, memory))[0]
+
+
+@dataclass(frozen=True)
+class Level:
+    """What one named build is asked: the name, the setting and the memory model; also its
+    cache key."""
+
+    name: str
+    ranks: int
+    microbatches: int
+    costs: Costs
+    memory: MemoryModel
+
+    @functools.cached_property
+    def bound(self) -> float:
+        """The name's memory level in units (``memory_level``)."""
+        return memory_level(self.name, self.ranks)
+
+    @functools.cached_property
+    def paper(self) -> Schedule:
+        """The paper's order for the name."""
+        return paper_schedule(self.name, self.ranks, self.microbatches)
+
+
+def _always(level: Level, found: list) -> bool:
+    return True
+
+
+def _frees_at_b(level: Level, found: list) -> bool:
+    return freeing_nothing_at_b(level.memory) is not None
+
+
+def _searched(level: Level, found: list) -> list:
+    """zb-1p: the fastest of its one-chunk orders (``_fastest_zb``); a V name: the search at
+    its level (adaptive.py)."""
+    bound, paper = level.bound, level.paper
+    if level.name == "zb-1p":
+        orders, how = _fastest_zb(paper, level.costs, level.memory, bound)
+    else:
+        result = search(level.ranks, level.microbatches, level.costs, bound, level.memory)
+        orders, how = result.schedule.rank_actions, result.provenance
+    return [(paper.with_actions(orders, memory_bound=bound,
+                                description=_description(level.name, how, bound)), how)]
+
+
+def _paper_order(level: Level, found: list) -> list:
+    """The paper's order (the search has it among its candidates: a guard)."""
+    return [(level.paper, (level.paper.description,))]
+
+
+def _freeing_nothing(level: Level, found: list) -> list:
+    """The name under the model where B frees nothing: what fits there fits here too."""
+    return [_fastest_cached(dataclasses.replace(level, memory=freeing_nothing_at_b(level.memory)))]
+
+
+ALSO_TRY = (
+    #       name                   when          run
+    AlsoTry("the level's search",  _always,      _searched),
+    AlsoTry("paper order",         _always,      _paper_order),
+    AlsoTry("B frees nothing",     _frees_at_b,  _freeing_nothing),
+)
+"""A named build: the answers of these rows, the fastest kept (ties: the first); where it is
+not the level's search's own (which has its cool-down already) nor zb-1p's, its cool-down
+re-scheduled critical path first where that is faster."""
 
 
 @functools.lru_cache(maxsize=128)
-def _fastest_cached(name: str, p: int, m: int, costs: Costs,
-                    memory: MemoryModel) -> tuple[Schedule, tuple[str, ...]]:
-    """(schedule, provenance): the fastest for ``name`` under ``memory`` and the steps that
-    made it (its description is rendered from them, ``_description``)."""
-    level = memory_level(name, p)
-    paper = paper_schedule(name, p, m)
-    if name == "zb-1p":
-        orders, how = _fastest_zb(paper, costs, memory, level)
-    else:
-        found = search(p, m, costs, level, memory)
-        orders, how = found.schedule.rank_actions, found.provenance
-    chosen = (paper.with_actions(orders, memory_bound=level,
-                                 description=_description(name, how, level)), how)
-    candidates = [chosen, (paper, (paper.description,))]  # the search has the paper's: a guard
-    base = freeing_nothing_at_b(memory)
-    if base is not None:  # what fits when B frees nothing fits here too
-        candidates.append(_fastest_cached(name, p, m, costs, base))
-    best, best_time = chosen, makespan_of(chosen[0], costs)
-    for other in candidates[1:]:
-        makespan = makespan_of(other[0], costs)
+def _fastest_cached(level: Level) -> tuple[Schedule, tuple[str, ...]]:
+    """(schedule, provenance): the fastest ``ALSO_TRY`` answer and the steps that made it (its
+    description is rendered from them, ``_description``)."""
+    found: list[tuple[Schedule, tuple[str, ...]]] = []
+    for also in ALSO_TRY:
+        if also.when(level, found):
+            found.extend(also.run(level, found))
+    best, best_time = found[0], makespan_of(found[0][0], level.costs)
+    for other in found[1:]:
+        makespan = makespan_of(other[0], level.costs)
         if makespan < best_time - _EPS:
             best, best_time = other, makespan
-    if name == "zb-1p" or best is chosen:  # the search re-scheduled its cool-down already
+    if level.name == "zb-1p" or best is found[0]:  # the search re-scheduled its cool-down
         return best
-    tailed = with_faster_tail(best[0], costs, memory, level, best_time, best[1])
+    tailed = with_faster_tail(best[0], level.costs, level.memory, level.bound, best_time, best[1])
     if tailed is None:
         return best
     orders, how = tailed
-    return best[0].with_actions(orders, description=_description(name, how, level)), how
+    return best[0].with_actions(orders, description=_description(level.name, how, level.bound)), how
 
 
 def _description(name: str, provenance: tuple[str, ...], level: float) -> str:
