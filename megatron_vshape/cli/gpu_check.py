@@ -78,32 +78,43 @@ def _gpu_check(args) -> int:
     from tqdm import tqdm
 
     from ..harness.gpu_check import check_settings, run_check
-    from ..harness.gpu_report import machine, pipeline_report, render_markdown
+    from ..harness.gpu_report import machine, pipeline_report
 
     began = time.perf_counter()
     device = _device(args.device)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    pipelines = []
+    report = {"command": _command(args, device), "machine": machine(device),
+              "pipelines": [], "profiles": [], "passed": True, "complete": False}
     for dtype in dtypes(device, args.tiny, args.no_fp32):
         settings = check_settings(device, args.tiny, dtype)
         start = time.perf_counter()
         with tqdm(total=len(settings.schedules), unit="schedule",
                   desc=f"{device} {dtype} pipeline") as progress:
             runs = run_check(settings, on_done=lambda name: progress.update())
-        pipelines.append(pipeline_report(settings, runs, time.perf_counter() - start))
-    profiles = []
+        report["pipelines"].append(pipeline_report(settings, runs, time.perf_counter() - start))
+        _write_report(out, report, began)
     if device == "cuda" and not (args.tiny or args.no_profile):
         from .gpu_profiles import profile_paper_layers
 
-        profiles = profile_paper_layers(out, args.profile_budget)
-    report = {"command": _command(args, device), "machine": machine(device),
-              "pipelines": pipelines, "profiles": profiles,
-              "passed": all(p["passed"] for p in pipelines),
-              "wall_seconds": round(time.perf_counter() - began, 1)}
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text(render_markdown(report))
-    print(render_markdown(report))
+        report["profiles"] = profile_paper_layers(out, args.profile_budget)
+    report["complete"] = True
+    print(_write_report(out, report, began))
+    profiles = len(report["profiles"])
     print(f"wrote {out / 'report.json'}, {out / 'report.md'}"
-          f"{f' and {len(profiles)} profiles' if profiles else ''}")
+          f"{f' and {profiles} profiles' if profiles else ''}")
     return 0 if report["passed"] else 1
+
+
+def _write_report(out: Path, report: dict, began: float) -> str:
+    """Write report.json and report.md now, so a loan that ends mid-run (a device command is
+    killed at its limit) still brings back every pipeline finished so far; ``complete`` says
+    whether the profiles ran too. Returns the markdown page."""
+    report["passed"] = all(p["passed"] for p in report["pipelines"])
+    report["wall_seconds"] = round(time.perf_counter() - began, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    from ..harness.gpu_report import render_markdown
+
+    page = render_markdown(report)
+    (out / "report.md").write_text(page)
+    return page

@@ -38,7 +38,10 @@ def paper_requests(device: str = "cuda") -> list[tuple]:
             file = f"{device}-{name}-s{seq}.yaml"
             args = argparse.Namespace(model=name, iters=_ITERS, warmup=_WARMUP, threads=1,
                                       no_head=False)
-            command = profile_command(args, seq, (1,), _LAYERS, device, file, TENSOR_PARALLEL)
+            # the command names the file where it is committed (docs/gpu-check.md)
+            command = profile_command(args, seq, (1,), _LAYERS, device,
+                                      f"megatron_vshape/configs/profiles/{file}",
+                                      TENSOR_PARALLEL)
             request = ProfileRequest(model, seq, (1,), _LAYERS, _ITERS, _WARMUP, device,
                                      None if device == "cuda" else 1, True, TENSOR_PARALLEL)
             out.append((request, file, command))

@@ -172,7 +172,8 @@ class ScheduleCheck:
     losses: list
     """Per step, the microbatch losses (from the rank that computes them)."""
     peak_bytes: list
-    """Per rank, the largest over the steps of the last plan (see CheckSettings.memory_measure)."""
+    """Per rank, the largest over the steps of the last plan after the first step (see
+    CheckSettings.memory_measure)."""
     tracked_bytes: list
     """Per rank, the ActivationTracker's peak (the CPU's measure, also taken on CUDA)."""
     step_seconds: float
@@ -206,7 +207,10 @@ def run_check(settings: CheckSettings, on_done=None) -> dict[str, ScheduleCheck]
 def _merge(name: str, values: list) -> ScheduleCheck:
     steps = len(values[0]["losses"])
     seconds = [max(v["seconds"][s] for v in values) for s in range(steps)]
-    start = values[0]["plans"][-1][0] if values[0]["plans"] else 0
+    # the last plan's steps, never the first step: it allocates what then stays for the whole
+    # run (megatron's global attention-score buffer, cuBLAS workspaces), memory of the kind
+    # of weights, not of the schedule
+    start = max(values[0]["plans"][-1][0] if values[0]["plans"] else 0, 1 if steps > 1 else 0)
     return ScheduleCheck(
         schedule=name,
         losses=[[x for v in values for x in v["losses"][s]] for s in range(steps)],

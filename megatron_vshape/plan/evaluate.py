@@ -243,13 +243,16 @@ class Evaluator:
         return self._finish(point, layout, ranks, peaks, schedule.description,
                             lambda _: (result.makespan, result.bubble_rate))
 
-    def activation_bytes(self, point: GridPoint, schedule) -> tuple[float, ...]:
+    def activation_bytes(self, point: GridPoint, schedule, workspace: bool = True,
+                         recompute: str = "none") -> tuple[float, ...]:
         """Per pipeline rank, the peak activation bytes of an already-built ``schedule`` (the
         one a run actually executed, e.g. what ``auto`` re-planned to) at ``point``: what
-        ``vshape gpu-check`` compares with the bytes it measures."""
+        ``vshape gpu-check`` compares with the bytes it measures (``workspace``: with the
+        passes' scratch bytes, as the CUDA allocator sees them; without, the bytes kept for
+        backward, as the runtime's saved-tensor tracker sees them) under ``recompute``."""
         shares = rank_shares(self.model, schedule.placement)
-        ranks = self._ranks(point, shares, single=False)
-        return tuple(peak_activation_bytes(schedule, ranks.chunks))
+        ranks = self._ranks(point, shares, single=False, recompute=recompute)
+        return tuple(peak_activation_bytes(schedule, ranks.chunks, workspace))
 
     # -- helpers ------------------------------------------------------------------------------
     def _no_pipeline(self, point: GridPoint, layout: ParallelLayout) -> Prediction:

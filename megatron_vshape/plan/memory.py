@@ -28,6 +28,11 @@ keeps nothing for W. A rank's peak is found by walking its schedule in order
 (:func:`peak_activation_bytes`): F adds a chunk's activations, B replaces them by what W
 needs, W frees that, a fused BW frees everything.
 
+Each pass also allocates scratch bytes that it frees again (:class:`Workspace`): the
+walk adds one layer's on top of the level while that pass runs, so the peak is what the CUDA
+allocator sees, not only what saved-tensor hooks see (``vshape gpu-check`` measures both on a
+GPU: docs/plan.md, "Workspace").
+
 Recomputation (:mod:`.recompute`): ``selective`` drops the attention term (softmax output,
 its dropout mask and output; flash attention's statistics), ``full`` keeps only each layer's
 input, e sb h/sp; either way B replays what was dropped, so while a B runs, one layer's
@@ -43,7 +48,7 @@ layernorms, row-parallel biases and position embeddings are replicated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..schedule.model.actions import PassKind
@@ -52,8 +57,31 @@ from .model import ModelConfig
 from .settings import TrainingConfig
 from .shares import ChunkShare
 
-__all__ = ["ActivationSizes", "ChunkBytes", "StaticMemory", "activation_sizes", "chunk_bytes",
+__all__ = ["ActivationSizes", "ChunkBytes", "Workspace", "StaticMemory", "activation_sizes", "chunk_bytes",
            "peak_activation_bytes", "static_memory", "chunk_parameters"]
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Bytes a pass allocates and frees again on top of what the rank keeps: invisible to the
+    activations' level, visible to the allocator's peak (``vshape gpu-check`` measures both).
+    Each is relative to the level at its moment: ``forward`` above the level after the layer's
+    F, the others above the level when the pass begins."""
+
+    forward: float = 0.0
+    """A layer's F: the attention scores and the fp32 softmax input, alive until the softmax
+    output exists, less what the layer keeps after its attention core."""
+    backward: float = 0.0
+    """A layer's fused BW: the softmax backward's gradients (or, with flash attention, the
+    attention's and the MLP's input gradients), less what the MLP's backward freed first."""
+    backward_split: float = 0.0
+    """A layer's B under the B/W split: as ``backward``, but the MLP's backward keeps its
+    linear inputs and adds their output gradients for W."""
+    weight: float = 0.0
+    """A layer's W: one weight-gradient GEMM's output before it is added to the main gradient
+    (the largest linear's; they run one at a time)."""
+    head_forward: float = 0.0
+    """The LM head's F: its 16-bit logits before the loss's fp32 copy (nothing in fp32)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +101,8 @@ class ActivationSizes:
     transient_split: float = 0.0
     """The same for B under the B/W split, which keeps the linear layers' inputs and output
     gradients instead of freeing them."""
+    workspace: Workspace = field(default_factory=Workspace)
+    """What one layer's passes allocate and free again."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +117,9 @@ class ChunkBytes:
     """Alive only while BW runs, on top of the level (recomputation)."""
     transient_split: float = 0.0
     """Alive only while B runs (B/W split), on top of the level."""
+    workspace: Workspace = field(default_factory=Workspace)
+    """The chunk's passes' workspace, relative to the chunk's level (F: above the level after
+    the chunk's F; B and BW: after the LM head's backward freed the head's bytes)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +205,10 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     head = 2 * e * tokens * h / sp + 4 * tokens * model.vocab_size / tp + 9 * tokens
     layer = split + replicated + masks + attention
     wgrad = inputs + output_grads
+    # what the layer keeps after its attention core: the projection's input, the second
+    # layernorm's and the first MLP linear's inputs, the MLP, both dropout masks
+    after_core = e * tokens * h / tp + 2 * e * tokens * h / sp + mlp.kept + masks
+    workspace = _layer_workspace(model, training, tokens, tp, mlp)
     if recompute == "selective":
         # the replay runs after B went through the layer's MLP half: a fused backward has
         # freed that half by then; a split B keeps its linear inputs and adds their output
@@ -181,12 +218,69 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
         kept = mlp.output_grads + e * tokens * h
         return ActivationSizes(layer - attention, wgrad, embedding, head,
                                transient=max(0.0, attention - after),
-                               transient_split=max(0.0, attention - freed + kept))
+                               transient_split=max(0.0, attention - freed + kept),
+                               workspace=workspace.forward_dropping(attention, after_core))
     if recompute == "full":
         kept = e * tokens * h / sp
         return ActivationSizes(kept, wgrad, embedding, head, transient=layer - kept,
-                               transient_split=layer - kept)
-    return ActivationSizes(layer, wgrad, embedding, head)
+                               transient_split=layer - kept,
+                               workspace=workspace.forward_dropping(layer - kept, after_core))
+    return ActivationSizes(layer, wgrad, embedding, head,
+                           workspace=workspace.forward_dropping(0.0, after_core))
+
+
+@dataclass(frozen=True)
+class _LayerWorkspace:
+    """A layer's workspace before the forward's is made relative to what the layer keeps."""
+
+    attention_forward: float
+    backward: float
+    backward_split: float
+    weight: float
+    head_forward: float
+
+    def forward_dropping(self, dropped: float, after_core: float) -> Workspace:
+        """The :class:`Workspace`, the forward's relative to the layer's level after F: at the
+        softmax, the layer holds what recomputation then drops (``dropped``) and the scratch
+        bytes, but not yet what it keeps after the attention core (``after_core``)."""
+        forward = max(0.0, self.attention_forward + dropped - after_core)
+        return Workspace(forward, self.backward, self.backward_split, self.weight,
+                         self.head_forward)
+
+
+def _layer_workspace(model: ModelConfig, training: TrainingConfig, tokens: int, tp: int,
+                     mlp: _MlpBytes) -> _LayerWorkspace:
+    """Scratch bytes of one layer's passes and of the LM head's forward (see :class:`Workspace`).
+
+    Measured by the CUDA allocator on megatron's unfused attention (``vshape gpu-check``, whose
+    ``scripts/gpu/memory_probe.py`` measures one layer's passes): its F holds the scores (e bytes)
+    and, in bf16, their fp32 copy (4) until the softmax output exists; its backward holds
+    three fp32-or-e-byte score-sized gradients at once (the probabilities' gradient, the
+    softmax's and the mask's input gradients) after the 16-bit probabilities were freed.
+    Before that, the MLP's backward holds two activation-width gradients. Flash attention
+    keeps no score-sized tensor: its backward holds the query, key and value gradients and an
+    fp32 query-gradient accumulator (derived from its algorithm, not measured here)."""
+    e, s = training.element_bytes, training.seq_length
+    h, a = model.hidden_size, model.num_attention_heads
+    kv = 2 * model.query_groups * model.head_dim
+    mlp_backward = 2 * mlp.activation_input
+    if training.flash_attention:
+        attention_forward = 0.0
+        attention_backward = e * tokens * (h + kv) / tp + 4 * tokens * h / tp
+    else:
+        scores = a * s * tokens / tp
+        copy = training.fp32_softmax_copy and e < 4
+        softmax = 4 if copy else e
+        attention_forward = e * scores + (4 * scores if copy else 0.0)
+        attention_backward = 3 * softmax * scores - (e * scores if copy else 0.0)
+    backward = max(mlp_backward, attention_backward - mlp.kept)
+    backward_split = max(mlp_backward,
+                         attention_backward - mlp.activation_input + mlp.output_grads)
+    f = model.expert_ffn if model.moe else model.ffn
+    wide = 2 if model.swiglu else 1
+    weight = e * max(h * (h + kv), h * wide * f, h * f) / tp  # the largest linear's
+    head_forward = e * tokens * model.vocab_size / tp if e < 4 else 0.0
+    return _LayerWorkspace(attention_forward, backward, backward_split, weight, head_forward)
 
 
 def chunk_bytes(share: ChunkShare, sizes: ActivationSizes) -> ChunkBytes:
@@ -194,32 +288,44 @@ def chunk_bytes(share: ChunkShare, sizes: ActivationSizes) -> ChunkBytes:
     the head's bytes."""
     forward = (share.layers * sizes.layer + share.embedding * sizes.embedding
                + share.head * sizes.head)
-    if not share.layers:
-        return ChunkBytes(forward, 0.0)
     head = share.head * sizes.head
+    ws = sizes.workspace
+    head_forward = share.head * ws.head_forward
+    if not share.layers:
+        return ChunkBytes(forward, 0.0, workspace=Workspace(forward=head_forward))
+    # the last layer's F peaks before the head adds its bytes; its backward runs after the
+    # head's backward freed them
+    workspace = Workspace(max(ws.forward - head, head_forward), max(0.0, ws.backward - head),
+                          max(0.0, ws.backward_split - head), ws.weight)
     return ChunkBytes(forward, share.layers * sizes.wgrad, max(0.0, sizes.transient - head),
-                      max(0.0, sizes.transient_split - head))
+                      max(0.0, sizes.transient_split - head), workspace)
 
 
-def peak_activation_bytes(schedule: Schedule, chunks: Sequence[Sequence[ChunkBytes]]
-                          ) -> tuple[float, ...]:
-    """Per rank, the most bytes kept for backward at once while running its order.
+def peak_activation_bytes(schedule: Schedule, chunks: Sequence[Sequence[ChunkBytes]],
+                          workspace: bool = True) -> tuple[float, ...]:
+    """Per rank, the most activation bytes alive at once while running its order.
 
     ``chunks[rank][chunk]``: that chunk's :class:`ChunkBytes`. B can also grow memory (with
     large TP the gathered output gradients W keeps outweigh what B frees); under
     recomputation a B (or BW) briefly holds one layer's replayed bytes on top of the level.
+    ``workspace``: add each pass's scratch bytes (:class:`Workspace`), what the allocator's
+    peak sees; without, the bytes kept for backward only (what saved-tensor hooks see).
     """
     peaks = []
     for rank in range(schedule.ranks):
         level = peak = 0.0
         for action in schedule.compute_actions(rank):
             chunk = chunks[rank][schedule.placement.locate(action.stage)[1]]
+            ws = chunk.workspace if workspace else Workspace()
             if action.kind is PassKind.B:
-                peak = max(peak, level + chunk.transient_split)
+                peak = max(peak, level + chunk.transient_split + ws.backward_split)
             elif action.kind is PassKind.BW:
-                peak = max(peak, level + chunk.transient)
+                peak = max(peak, level + chunk.transient + ws.backward)
+            elif action.kind is PassKind.W:
+                peak = max(peak, level + ws.weight)
             if action.kind is PassKind.F:
                 level += chunk.forward
+                peak = max(peak, level + ws.forward)
             elif action.kind is PassKind.B:
                 level += chunk.wgrad - chunk.forward
             elif action.kind is PassKind.W:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .kernels import GpuSpec
 
 __all__ = ["TrainingConfig", "ClusterConfig", "ParallelLayout", "PRECISIONS", "COST_MODELS",
-           "GIB"]
+           "GIB", "KNOWN_GPUS", "gpu_limits"]
 
 GIB = float(2**30)
 PRECISIONS = ("bf16", "fp32")
@@ -93,6 +93,24 @@ class TrainingConfig:
         return _PARAMETER_BYTES[self.precision]
 
 
+KNOWN_GPUS = {
+    "H100": {"gpu_tflops": 989.0, "memory_tbps": 3.35, "sms": 132},
+    "H200": {"gpu_tflops": 989.0, "memory_tbps": 4.8, "sms": 132},
+}
+"""Datasheet limits (SXM parts) of the GPUs whose measured profiles the project holds, as
+:class:`ClusterConfig` fields: the H200 is an H100 die with faster, larger HBM3e."""
+
+
+def gpu_limits(device_name: str) -> dict:
+    """The :data:`KNOWN_GPUS` entry whose key ``device_name`` (torch's name, e.g. "NVIDIA
+    H200") contains, so an analytic prediction can be made for the GPU a profile ran on."""
+    found = [limits for key, limits in KNOWN_GPUS.items() if key in device_name.upper()]
+    if len(found) != 1:
+        raise ValueError(f"GPU {device_name!r}: no datasheet limits known; known: "
+                         f"{', '.join(KNOWN_GPUS)}")
+    return dict(found[0])
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """The GPUs a plan is for. Speeds are what is achieved, not the datasheet's peaks."""
@@ -105,7 +123,8 @@ class ClusterConfig:
     """GPUs joined by the fast intra-node link (``--gpus-per-node``); TP stays inside a node."""
     reserved_gib: float = 3.0
     """Memory no tensor of the model can use (``--reserved-memory``): CUDA context, NCCL
-    buffers, allocator fragmentation and the transient buffers of a backward pass."""
+    buffers and allocator fragmentation (the passes' own scratch bytes are counted with the
+    activations, :class:`.memory.Workspace`)."""
     gpu_tflops: float = 989.0
     """Peak dense 16-bit TFLOP/s of one GPU (``--gpu-tflops``; H100 SXM bf16: 989)."""
     memory_tbps: float = 3.35

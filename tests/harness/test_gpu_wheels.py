@@ -56,7 +56,11 @@ def test_doc_command_installs_what_the_script_writes():
     names = {re.split(r"[<>=]", r)[0] for r in script.REQUIREMENTS}
     assert names <= {re.split(r"[<>=]", w)[0] for w in words}
     assert f'carry: ["{script.DEFAULT_DIR}"]' in DOC and "timeout_s: 600" in DOC
+    check, pack = check.split("; ")
     args = shlex.split(check)
-    assert args[:3] == ["python", "-m", "megatron_vshape"]
+    assert words[0] == args[0] == "python3"  # the device's Python, the one with torch
+    assert args[1:3] == ["-m", "megatron_vshape"]
     parsed = build_parser().parse_args(args[3:])
-    assert parsed.command == "gpu-check" and parsed.output == "$OUT/gpu-check"
+    assert parsed.command == "gpu-check" and parsed.output == "/tmp/gc"
+    # the report and eight profiles are more files than a device call returns: one tarball
+    assert shlex.split(pack) == ["tar", "czf", "$OUT/gc.tgz", "-C", "/tmp", "gc"]

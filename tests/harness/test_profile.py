@@ -98,7 +98,10 @@ def test_committed_profiles_carry_their_provenance(path):
     assert words[:2] == ["vshape", "profile"]
     assert args.output == f"megatron_vshape/configs/profiles/{path.name}"
     assert args.seq_length == profile.seq_length
-    assert sorted(args.micro_batch_sizes) == [m.micro_batch_size for m in profile.measurements]
+    assert sorted(args.micro_batch_sizes) == sorted({m.micro_batch_size
+                                                     for m in profile.measurements})
+    assert sorted(args.tensor_parallel) == sorted({m.tensor_parallel
+                                                   for m in profile.measurements})
     assert profile.machine.kind == args.device and profile.machine.device
     assert 0 < profile.backward_leftover < 1 and profile.memory_model() is not None
     assert all(m.activation_bytes_per_layer > 0 and m.head for m in profile.measurements)

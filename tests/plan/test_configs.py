@@ -24,7 +24,9 @@ def test_every_kind_has_its_bundled_files():
     assert config_names("models") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b",
                                       "moe-64e-top6", "moe-8x7b", "small", "tiny")
     assert config_names("grid") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b")
-    assert config_names("profiles") == ("cpu-small", "cpu-tiny")
+    gpu = tuple(f"cuda-{m}-s{s}" for m in ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b")
+                for s in (1024, 3072))
+    assert config_names("profiles") == ("cpu-small", "cpu-tiny") + gpu
     assert set(KINDS) == {"models", "grid", "profiles"}
 
 

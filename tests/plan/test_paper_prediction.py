@@ -20,8 +20,11 @@ GRID = CONFIG_DIR / "grid" / "gpt-9.6b.yaml"
 
 @pytest.fixture(scope="module")
 def small_case(tmp_path_factory):
-    out = tmp_path_factory.mktemp("paper") / "prediction.md"
-    code = main(["paper", str(GRID), "--seq-lengths", "3072", "--output", str(out)])
+    folder = tmp_path_factory.mktemp("paper")
+    out, profiles = folder / "prediction.md", folder / "no-profiles"
+    profiles.mkdir()
+    code = main(["paper", str(GRID), "--seq-lengths", "3072", "--output", str(out),
+                 "--profiles", str(profiles)])
     assert code == 0
     return out.read_text()
 
@@ -66,40 +69,63 @@ def test_a_sequence_length_the_grid_lacks_is_refused(capsys):
     assert "--seq-lengths [4096]" in capsys.readouterr().err
 
 
-def test_no_profile_leaves_the_page_as_it_was(small_case):
-    assert "Calibrated" not in small_case and "Calibrated" not in DOC.read_text()
+def test_no_profile_adds_no_calibrated_section(small_case):
+    assert "Calibrated" not in small_case
+
+
+def test_the_committed_page_is_calibrated_by_every_committed_gpu_profile():
+    """gpu-check's profiles (megatron_vshape/configs/profiles/cuda-*.yaml) each give one row
+    of the committed page's calibrated section, naming the GPU they were measured on."""
+    from megatron_vshape.experiments.calibrate import PROFILE_DIR
+    from megatron_vshape.plan.profile_file import load_profile
+
+    page = DOC.read_text()
+    section = page[page.index("## Calibrated"):]
+    for path in sorted(PROFILE_DIR.glob("cuda-*.yaml")):
+        profile = load_profile(path)
+        model = path.stem.removeprefix("cuda-").rsplit("-s", 1)[0]
+        rows = [line for line in section.splitlines()
+                if line.startswith(f"| {model}, ") and f"| {profile.seq_length} |" in line]
+        assert len(rows) == 1 and profile.machine.device in rows[0], path.name
 
 
 @pytest.mark.slow
 def test_a_gpu_profile_adds_a_calibrated_column(tmp_path, capsys):
-    """A profile like gpu-check writes (TP 1, 2, 4, 8 at micro batch 1), here the analytic
-    layer times x 1.25: the case is planned again from it, the section names the ratio per
-    TP, and the calibrated throughputs are lower than the analytic ones (not by exactly 1.25:
-    the embedding, head and communication keep their analytic times)."""
-    from megatron_vshape.experiments.calibrate import profile_name
+    """Profiles like gpu-check writes (TP 1, 2, 4, 8 at micro batch 1): the shape model's
+    times of the layers gpu-check profiles, once as they are and once x 1.25. The section
+    names the ratio per TP (1.00, then 1.25), and the case is planned again from each: layers
+    1.25 times slower cost between nothing and 1.25 of the throughput (the embedding, head
+    and communication keep their analytic times)."""
+    from megatron_vshape.experiments.calibrate import as_profiled, profile_name
     from megatron_vshape.plan.cost import analytic_times
     from megatron_vshape.plan.profile_file import (Machine, MeasuredProfile, Measurement,
                                                    format_profile)
     from megatron_vshape.plan.settings import ClusterConfig, TrainingConfig
 
     grid = load_grid(GRID)
-    training, cluster = TrainingConfig(3072, 128), ClusterConfig(16, 80.0)
-    measurements = tuple(
-        Measurement(1, tp, analytic_times(grid.model, training, cluster, tp, 1).layer.scaled(1.25))
-        for tp in (1, 2, 4, 8))
-    profile = MeasuredProfile(3072, measurements, command="vshape profile ...",
-                              machine=Machine("cuda", "NVIDIA H100 80GB HBM3", "bfloat16"))
-    (tmp_path / profile_name("gpt-9.6b", 3072)).write_text(format_profile(profile))
-    out = tmp_path / "prediction.md"
-    assert main(["paper", str(GRID), "--seq-lengths", "3072", "--profiles", str(tmp_path),
-                 "--output", str(out)]) == 0
-    text = out.read_text()
-    assert "## Calibrated with measured per-layer costs" in text
-    (row,) = [line for line in text.splitlines() if line.startswith("| gpt-9.6b, 16 | 3072 | "
-                                                                     "NVIDIA H100")]
-    assert "TP1 1.25, TP2 1.25, TP4 1.25, TP8 1.25" in row
-    one_f_one_b = row.split(" | ")[4]
-    analytic, calibrated = (float(x) for x in one_f_one_b.split(" \\| "))
-    assert 1.0 < analytic / calibrated <= 1.25
-    assert f"--profiles {tmp_path}" in text
+    gpu = "NVIDIA H100 80GB HBM3"
+    # the layers gpu-check times (local, unfused, one TP shard), as the shape model sees them
+    training, cluster = as_profiled(TrainingConfig(3072, 128), ClusterConfig(16, 80.0), gpu)
+    calibrated = {}
+    for scale in (1.0, 1.25):
+        measurements = tuple(
+            Measurement(1, tp, analytic_times(grid.model, training, cluster, tp, 1)
+                        .layer.scaled(scale)) for tp in (1, 2, 4, 8))
+        profile = MeasuredProfile(3072, measurements, command="vshape profile ...",
+                                  machine=Machine("cuda", gpu, "bfloat16"))
+        folder = tmp_path / f"x{scale}"
+        folder.mkdir()
+        (folder / profile_name("gpt-9.6b", 3072)).write_text(format_profile(profile))
+        out = folder / "prediction.md"
+        assert main(["paper", str(GRID), "--seq-lengths", "3072", "--profiles", str(folder),
+                     "--output", str(out)]) == 0
+        text = out.read_text()
+        assert "## Calibrated with measured per-layer costs" in text
+        assert f"--profiles {folder}" in text
+        (row,) = [line for line in text.splitlines()
+                  if line.startswith(f"| gpt-9.6b, 16 | 3072 | {gpu}")]
+        assert all(f"TP{tp} {scale:.2f} \\|" in row for tp in (1, 2, 4, 8)), row
+        one_f_one_b = row.split(" | ")[4]
+        calibrated[scale] = float(one_f_one_b.split(" \\| ")[1])
+    assert 1.0 < calibrated[1.0] / calibrated[1.25] <= 1.25
     assert "calibrated from" in capsys.readouterr().out

@@ -15,8 +15,8 @@ from megatron_vshape.plan import load_model_config
 from megatron_vshape.plan.candidates import GridPoint, SearchSpace
 from megatron_vshape.plan.cost import analytic_times, layer_flops
 from megatron_vshape.plan.evaluate import Evaluator
-from megatron_vshape.plan.memory import (ChunkBytes, activation_sizes, chunk_parameters,
-                                         peak_activation_bytes)
+from megatron_vshape.plan.memory import (ChunkBytes, Workspace, activation_sizes,
+                                         chunk_parameters, peak_activation_bytes)
 from megatron_vshape.plan.planner import plan
 from megatron_vshape.plan.profile_file import load_profile
 from megatron_vshape.plan.settings import ClusterConfig, TrainingConfig
@@ -169,13 +169,32 @@ def test_a_recomputing_bw_holds_the_replay_on_top_of_its_level():
     assert peak_activation_bytes(schedule, chunks)[1] == pytest.approx(17.0)
 
 
+def test_the_walk_adds_each_pass_workspace_at_its_moment():
+    """1F1B on 2 ranks, 2 microbatches: rank 0 runs F F BW BW. F's workspace sits above the
+    level after F, BW's above the level before it; without ``workspace`` only levels count."""
+    schedule = build_schedule("1f1b", 2, 2)
+    ws = Workspace(forward=3.0, backward=5.0)
+    chunks = [[ChunkBytes(10.0, 0.0, workspace=ws)]] * 2
+    assert [a.kind.name for a in schedule.compute_actions(0)] == ["F", "F", "BW", "BW"]
+    assert peak_activation_bytes(schedule, chunks)[0] == pytest.approx(20.0 + 5.0)
+    assert peak_activation_bytes(schedule, chunks, workspace=False)[0] == pytest.approx(20.0)
+    big_forward = [[ChunkBytes(10.0, 0.0, workspace=Workspace(forward=9.0, backward=5.0))]] * 2
+    assert peak_activation_bytes(schedule, big_forward)[0] == pytest.approx(29.0)
+    # zb-1p: rank 0 runs F0 F1 B0 W0 B1 W1, rank 1 F0 B0 F1 B1 W0 W1; B keeps 4 of 10 for W,
+    # B's workspace is 1 and W's 8: rank 0 peaks in W0 (14 + 8), rank 1 in W0 (8 + 8)
+    split = build_schedule("zb-1p", 2, 2)
+    chunks = [[ChunkBytes(10.0, 4.0, workspace=Workspace(backward_split=1.0, weight=8.0))]] * 2
+    assert peak_activation_bytes(split, chunks) == pytest.approx((22.0, 16.0))
+    assert peak_activation_bytes(split, chunks, workspace=False) == pytest.approx((20.0, 14.0))
+
+
 def test_plan_ranks_1f1b_r_beside_the_v_schedules_at_the_papers_long_sequences():
     """The issue's case: gpt-98.5b on 40 GPUs at seq 16384: 1F1B fits nowhere, 1F1B-R (the
     paper's baseline) and V schedules do, and both are ranked."""
     big = load_model_config(MODELS / "gpt-98.5b.yaml")
     result = plan(big, TrainingConfig(16384, 160), ClusterConfig(40, 80.0),
                   SearchSpace(schedules=("1f1b", "v-half", "auto"), micro_batch_sizes=(1,),
-                              auto_candidates=1))
+                              auto_candidates=2))
     labels = {r.layout.label for r in result.feasible}
     assert "1f1b-r" in labels and "auto" in labels and "1f1b" not in labels
     assert all(r.layout.recompute == "full" for r in result.feasible
