@@ -5,7 +5,8 @@
 The lent machine has Python 3.12 and a CUDA torch (with numpy) but no megatron-core and no
 network: what it needs travels with the call, in a git-ignored folder at the repository root
 (``gpu-wheels/``, named in the device call's ``carry``; docs/gpu-check.md has the command).
-This writes there megatron-core for CPython 3.12 on manylinux x86-64, the pure-Python or abi3
+This writes there megatron-core (0.19.2, and 0.16.1 for the second check) for CPython 3.12 on
+manylinux x86-64, the pure-Python or abi3
 packages the check imports that the machine may lack, and this project's wheel (whose declared
 requirements make the offline install fail loudly if a wheel is missing). The total must stay
 well under the call's 64 MiB, which it checks. ``--dry-run`` prints the pip commands and
@@ -31,18 +32,22 @@ plugin's PyYAML and tqdm, megatron-core's packaging (>= 24.2, newer than some ba
 einops (megatron-core's optional modules import it)."""
 INSTALL = ("megatron-vshape", MEGATRON_CORE, "PyYAML", "tqdm", "psutil", "packaging", "einops")
 """What the device installs from the folder (docs/gpu-check.md's command names each)."""
+OTHER_MEGATRON_CORE = "megatron-core==0.16.1"
+"""The other supported release, downloaded beside (a second pip call: one call cannot take two
+versions of a package); docs/gpu-check.md's second command installs it instead."""
 LIMIT_BYTES = 48 * 2**20
 """The call carries 64 MiB with the working tree; leave the tree 16 MiB."""
 
 
-def download_command(folder: Path) -> list[str]:
-    """pip download of REQUIREMENTS as binary wheels for the device's Python and platform."""
+def download_command(folder: Path, requirements=REQUIREMENTS) -> list[str]:
+    """pip download of ``requirements`` as binary wheels for the device's Python and
+    platform."""
     words = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
              "--python-version", PYTHON_VERSION, "--implementation", "cp",
              "--dest", str(folder)]
     for platform in PLATFORMS:
         words += ["--platform", platform]
-    return words + list(REQUIREMENTS)
+    return words + list(requirements)
 
 
 def wheel_command(folder: Path) -> list[str]:
@@ -59,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the pip commands; download nothing")
     args = parser.parse_args(argv)
     folder = Path(args.output)
-    commands = [download_command(folder), wheel_command(folder)]
+    commands = [download_command(folder), download_command(folder, (OTHER_MEGATRON_CORE,)),
+                wheel_command(folder)]
     for command in commands:
         print(shlex.join(command))
     if args.dry_run:

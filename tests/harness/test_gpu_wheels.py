@@ -37,7 +37,8 @@ def test_dry_run_downloads_nothing(tmp_path, capsys):
     script = _script()
     folder = tmp_path / "wheels"
     assert script.main(["--output", str(folder), "--dry-run"]) == 0
-    download, wheel = capsys.readouterr().out.splitlines()
+    download, other, wheel = capsys.readouterr().out.splitlines()
+    assert shlex.split(other)[-1] == "megatron-core==0.16.1"
     words = shlex.split(download)
     assert words[words.index("--python-version") + 1] == "3.12"
     assert "manylinux_2_28_x86_64" in words and "--only-binary=:all:" in words
@@ -47,7 +48,9 @@ def test_dry_run_downloads_nothing(tmp_path, capsys):
 
 def test_doc_command_installs_what_the_script_writes():
     script = _script()
-    (call,) = [line.strip() for line in DOC.splitlines() if "--find-links" in line]
+    (call, other) = [line.strip() for line in DOC.splitlines() if "--find-links" in line]
+    # the second call: the same with megatron-core 0.16.1, bf16 pipelines only
+    assert other.replace("0.16.1", "0.19.2").replace(" --no-fp32 --no-profile", "") == call
     install, check = call.split(" && ")
     words = shlex.split(install)
     assert words[words.index("--find-links") + 1] == script.DEFAULT_DIR
