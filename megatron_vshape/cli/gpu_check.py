@@ -110,11 +110,11 @@ def _write_report(out: Path, report: dict, began: float) -> str:
     """Write report.json and report.md now, so a loan that ends mid-run (a device command is
     killed at its limit) still brings back every pipeline finished so far; ``complete`` says
     whether the profiles ran too. Returns the markdown page."""
+    from ..harness.gpu_report import render_markdown
+
     report["passed"] = all(p["passed"] for p in report["pipelines"])
     report["wall_seconds"] = round(time.perf_counter() - began, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    from ..harness.gpu_report import render_markdown
-
     page = render_markdown(report)
     (out / "report.md").write_text(page)
     return page

@@ -259,7 +259,9 @@ class Evaluator:
         shares = whole_model_share(self.model)
         ranks = self._ranks(point, shares, single=True, recompute=layout.recompute)
         chunk = ranks.chunks[0][0]
-        peaks = (chunk.forward + chunk.transient,)  # one microbatch at a time (fused backward)
+        # one microbatch at a time: F (and its scratch), then a fused backward on top of it
+        ws = chunk.workspace
+        peaks = (chunk.forward + max(ws.forward, chunk.transient + ws.backward),)
 
         def run(costs: Costs) -> tuple[float, float]:
             per = costs.forward[0] + costs.backward[0] + costs.weight[0]

@@ -153,8 +153,8 @@ def format_table(result: PlanResult, top: int = 15) -> str:
         lines.append(_row(i, p, moe) + ("  " + gain if gain else ""))
     lines.append("")
     lines.append("memory on the fullest GPU: act = activations kept for backward at the "
-                 "schedule's peak plus the running pass's scratch, w+g = bf16/fp32 weights + fp32 main gradients, optim = Adam "
-                 "state" + (" (/DP, distributed optimizer)" if
+                 "schedule's peak plus the running pass's scratch, w+g = bf16/fp32 weights + "
+                 "fp32 main gradients, optim = Adam state" + (" (/DP, distributed optimizer)" if
                             result.training.distributed_optimizer else ""))
     if any(p.layout.schedule == NO_PIPELINE for p in feasible):
         lines.append(f"schedule {NO_PIPELINE}: PP = 1, gradient accumulation, no pipeline")

@@ -188,6 +188,23 @@ def test_the_walk_adds_each_pass_workspace_at_its_moment():
     assert peak_activation_bytes(split, chunks, workspace=False) == pytest.approx((20.0, 14.0))
 
 
+def test_without_a_pipeline_the_peak_is_a_microbatch_plus_its_larger_scratch():
+    """PP 1 runs F then a fused backward per microbatch: the peak is one microbatch's bytes
+    plus the larger of F's and the backward's scratch. Here F's: the LM head's 16-bit logits
+    (e s V), while the layers' backward scratch fits in what the head's backward frees."""
+    from megatron_vshape.plan.memory import chunk_bytes
+
+    training = TrainingConfig(3072, 16)
+    row = Evaluator(GPT_9B, training, ClusterConfig(8, 80.0)).evaluate(
+        GridPoint(8, 1, 1, 1, 2), "1f1b")
+    (share,), = whole_model_share(GPT_9B)
+    chunk = chunk_bytes(share, activation_sizes(GPT_9B, training, 1, 1))
+    assert chunk.workspace.forward == pytest.approx(2 * 3072 * GPT_9B.vocab_size)
+    assert chunk.workspace.backward == 0
+    assert row.activation_bytes_per_rank == pytest.approx(
+        (chunk.forward + chunk.workspace.forward,))
+
+
 def test_plan_ranks_1f1b_r_beside_the_v_schedules_at_the_papers_long_sequences():
     """The issue's case: gpt-98.5b on 40 GPUs at seq 16384: 1F1B fits nowhere, 1F1B-R (the
     paper's baseline) and V schedules do, and both are ranked."""
