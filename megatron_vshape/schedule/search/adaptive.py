@@ -57,11 +57,12 @@ limit is skipped (lifespan / interval bounds the memory from below, paper sectio
 memory is read off a short repeat (steady state is reached after a lifespan's worth of
 microbatches) before anything else is built, and only the ``family_budget`` family blocks
 closest under the limit are built in full: more memory buys fewer bubbles. Results are cached
-per (p, m, costs, limit, memory model).
+per ``Problem`` (p, m, costs, limit, memory model, ``shapes`` and the settings).
 
 The constructions and the pruning are in constructions.py; the steps from the timed replay on,
 in improvements.py; the constants that size every step (``filled``, ``slot_spread``, ...) and
-what they were measured to buy, in settings.py; the candidates the steps share, in pool.py.
+what they were measured to buy, in settings.py (``STEPS`` writes its budgets from them); the
+candidates the steps share, in pool.py.
 This module holds the whole search as two tables: ``STEPS`` (name, gate, step, budget), run
 in order over one pool under one memory model, and ``ALSO_TRY`` around it (under a model that
 frees memory at B, the default model's answer first, refined under the model:
@@ -69,10 +70,10 @@ freeing_at_b.py); then the winner's critical-path cool-down, and the cache. A ca
 provenance is the tuple of the steps that made it; descriptions are rendered from it, never
 parsed back.
 
-What the search does not reach (tests/schedule/test_search.py says why, with numbers): at V-Min's memory
-with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's (at p = 16 and large m
-no schedule can do better, bounds.py); at half of 1F1B's memory with p = 4 nothing can reach
-0.6 x 1F1B's bubble (V-Min's 0.651 x is optimal there).
+What the search does not reach (tests/schedule/test_search.py says why, with numbers): at
+V-Min's memory with unbalanced costs (1, 1.2, 0.8) its bubble stays 14-55% above 1F1B's (at
+p = 16 and large m no schedule can do better, bounds.py); at half of 1F1B's memory with p = 4
+nothing can reach 0.6 x 1F1B's bubble (V-Min's 0.651 x is optimal there).
 
 The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
