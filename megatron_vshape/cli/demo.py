@@ -18,7 +18,7 @@ from pathlib import Path
 from .plan import model_help
 from .ui import subcommand
 
-__all__ = ["register", "missing_backend_warnings_hidden"]
+__all__ = ["register", "missing_backend_warnings_hidden", "demo_settings"]
 
 _MISSING_BACKENDS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
 """How megatron-core's warnings that it falls back to its local (torch) kernels begin: once
@@ -79,7 +79,9 @@ def missing_backend_warnings_hidden():
         sys.warnoptions[:] = saved
 
 
-def _settings(args):
+def demo_settings(args):
+    """The demo's settings and schedule names (1f1b, the reference, first) from ``vshape
+    demo``'s arguments; bad ones refused here, before any process starts."""
     from ..harness.demo import DEMO_SCHEDULES, DemoSettings
     from ..schedule.model.limits import MemoryLimit
 
@@ -110,7 +112,7 @@ def _demo(args) -> int:
     except ImportError as err:
         raise ValueError(f"vshape demo needs torch and megatron-core: pip install -e '.[megatron]' "
                          f"({err})") from None
-    settings, names = _settings(args)
+    settings, names = demo_settings(args)
     with missing_backend_warnings_hidden() as missing:
         if missing:
             print(f"megatron-core: {' and '.join(missing)} not installed, using its local torch "

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 __all__ = ["TinyGPT", "batches", "forward_step", "init_by_name", "global_named_parameters",
-           "global_grads", "loss_value"]
+           "global_grads", "loss_value", "mean_loss", "per_token_loss"]
 
 
 @dataclass(frozen=True)
@@ -84,16 +84,17 @@ def forward_step(data_iterator, model, per_token: bool = False):
     """Megatron-LM's forward_step contract: (output, loss function of the output)."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_per_token_loss if per_token else _mean_loss, batch["loss_mask"])
+    return output, partial(per_token_loss if per_token else mean_loss, batch["loss_mask"])
 
 
-def _mean_loss(mask, output):
+def mean_loss(mask, output):
+    """The masked mean of the per-token losses, as megatron-core's examples report it."""
     losses = output.float().view(-1)
     loss = torch.sum(losses * mask.view(-1)) / mask.sum()
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _per_token_loss(mask, output):
+def per_token_loss(mask, output):
     """Megatron-LM's pretrain_gpt loss: (sum, token count, {"lm loss": [sum, count]})."""
     losses = output.float().view(-1)
     loss = torch.sum(losses * mask.view(-1))

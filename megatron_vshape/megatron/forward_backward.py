@@ -32,7 +32,7 @@ from .compute import MegatronStages
 from .model import sum_tied_embedding_grads
 from .replan import Replanner
 
-__all__ = ["VShapeForwardBackward"]
+__all__ = ["VShapeForwardBackward", "message_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,8 @@ class VShapeForwardBackward:
                 barrier=getattr(config, "barrier_with_L1_time", False))
         schedule = self._schedule(pg.pp.size(), num_microbatches, len(chunks), len(iterators),
                                   config)
-        spec = self._spec(config, pg, seq_length, micro_batch_size, decoder_seq_length,
-                          adjust_tensor_shapes_fn)
+        spec = message_spec(config, pg, seq_length, micro_batch_size, decoder_seq_length,
+                            adjust_tensor_shapes_fn, _device())
         stages = MegatronStages(schedule, pg.pp.rank(), chunks, forward_step_func, iterators,
                                 config, pg.cp.size(), collect_non_loss_data, first_val_step,
                                 forward_only)
@@ -239,24 +239,27 @@ class VShapeForwardBackward:
                                                           _all_pipelines(pg.pp))
         return self.stream_groups[key]
 
-    @staticmethod
-    def _spec(config, pg, seq_length, micro_batch_size, decoder_seq_length, adjust):
-        from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
 
-        shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                   decoder_seq_length=decoder_seq_length, config=config,
-                                   tp_group=pg.tp, cp_group=pg.cp)
-        if adjust is not None:
-            recv, send = adjust(shapes, shapes)
-            if recv != send or len(recv) != 1:
-                raise ValueError("adjust_tensor_shapes_fn must keep one shape, the same for "
-                                 f"sends and receives, under V schedules; got {recv}, {send}")
-            shapes = recv
-        device = _device()
-        staged = device != "cpu" and torch.distributed.get_backend(pg.pp) == "gloo"
-        return TensorSpec(tuple(shapes[0]), config.pipeline_dtype or torch.float32, device,
-                          variable=bool(config.variable_seq_lengths),
-                          wire="cpu" if staged else None)
+def message_spec(config, pg, seq_length, micro_batch_size, decoder_seq_length, adjust,
+                 device) -> TensorSpec:
+    """What one pipeline message is (megatron's own shape rule, ``adjust_tensor_shapes_fn``
+    applied), on ``device``. Ranks sharing a GPU over gloo get ``wire = "cpu"``: NCCL refuses
+    two ranks on one GPU and gloo cannot send CUDA tensors, so messages go through host memory."""
+    from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+
+    shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                               decoder_seq_length=decoder_seq_length, config=config,
+                               tp_group=pg.tp, cp_group=pg.cp)
+    if adjust is not None:
+        recv, send = adjust(shapes, shapes)
+        if recv != send or len(recv) != 1:
+            raise ValueError("adjust_tensor_shapes_fn must keep one shape, the same for "
+                             f"sends and receives, under V schedules; got {recv}, {send}")
+        shapes = recv
+    staged = device != "cpu" and torch.distributed.get_backend(pg.pp) == "gloo"
+    return TensorSpec(tuple(shapes[0]), config.pipeline_dtype or torch.float32, device,
+                      variable=bool(config.variable_seq_lengths),
+                      wire="cpu" if staged else None)
 
 
 def _config_and_groups(chunks, pg_collection):

@@ -9,7 +9,7 @@ from support.megatron_cpu import importorskip_megatron  # noqa: E402
 importorskip_megatron()
 
 from megatron_vshape.cli import build_parser, main  # noqa: E402
-from megatron_vshape.cli.demo import _settings  # noqa: E402
+from megatron_vshape.cli.demo import demo_settings  # noqa: E402
 
 
 @pytest.mark.gloo
@@ -55,7 +55,7 @@ def test_demo_trains_the_same_model_under_every_schedule(tmp_path, capsys):
 @pytest.mark.parametrize("argv,emulate_ms", [([], 40.0), (["--emulate-ms", "25"], 25.0),
                                              (["--no-emulate"], None)])
 def test_demo_emulation_settings(argv, emulate_ms):
-    settings, _ = _settings(build_parser().parse_args(["demo", *argv]))
+    settings, _ = demo_settings(build_parser().parse_args(["demo", *argv]))
     assert settings.emulate_ms == emulate_ms
     costs = settings.emulated_costs()
     if emulate_ms is None:

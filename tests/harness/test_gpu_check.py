@@ -112,17 +112,15 @@ def test_bad_settings_name_the_setting(kwargs, needle):
 
 def test_gloo_on_a_gpu_sends_through_host_memory(monkeypatch):
     """Ranks sharing one GPU over gloo get ``wire = "cpu"``; NCCL and CPU ranks no wire."""
-    from megatron_vshape.megatron import forward_backward as fbm
-    from megatron_vshape.megatron.forward_backward import VShapeForwardBackward
+    from megatron_vshape.megatron.forward_backward import message_spec
 
     one = types.SimpleNamespace(size=lambda: 1)
     pg = types.SimpleNamespace(pp=object(), tp=one, cp=one)
     config = check_settings("cuda", tiny=True).transformer_config()
     for device, backend, wire in (("cuda:0", "gloo", "cpu"), ("cuda:0", "nccl", None),
                                   ("cpu", "gloo", None)):
-        monkeypatch.setattr(fbm, "_device", lambda d=device: d)
         monkeypatch.setattr(torch.distributed, "get_backend", lambda group, b=backend: b)
-        spec = VShapeForwardBackward._spec(config, pg, 32, 2, None, None)
+        spec = message_spec(config, pg, 32, 2, None, None, device)
         assert (spec.device, spec.wire) == (device, wire)
         assert spec.shape == (32, 2, 64) and spec.dtype is torch.bfloat16
 

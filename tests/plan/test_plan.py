@@ -223,7 +223,7 @@ def test_plan_ranks_1f1b_r_beside_the_v_schedules_at_the_papers_long_sequences()
 # -- the planner ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt9_plan():
-    """The acceptance command's plan (issue 6): 9.6B, 16 x 80 GiB GPUs."""
+    """``vshape plan --model gpt-9.6b --gpus 16 --gpu-memory 80``'s plan."""
     return plan(GPT_9B, TrainingConfig(GPT_9B.seq_length, 128), ClusterConfig(16, 80.0))
 
 

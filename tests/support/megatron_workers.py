@@ -236,7 +236,7 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False, options=N
     if options.get("megatron_lm") and len(chunks) == 2:  # the V batch: rank 0, TP broadcast
         from megatron_vshape.megatron.megatron_lm import VBatch, VForwardStep
 
-        loss = tiny_gpt._per_token_loss if options.get("per_token") else tiny_gpt._mean_loss
+        loss = tiny_gpt.per_token_loss if options.get("per_token") else tiny_gpt.mean_loss
         step_func = VForwardStep(VBatch(SEQ, MBS), loss, timers=config.timers)
 
     tracker = ActivationTracker([p for c in chunks for p in c.parameters()] +
