@@ -48,6 +48,7 @@ layernorms, row-parallel biases and position embeddings are replicated.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -208,7 +209,14 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     # what the layer keeps after its attention core: the projection's input, the second
     # layernorm's and the first MLP linear's inputs, the MLP, both dropout masks
     after_core = e * tokens * h / tp + 2 * e * tokens * h / sp + mlp.kept + masks
-    workspace = _layer_workspace(model, training, tokens, tp, mlp)
+    attention_scratch, workspace = _layer_workspace(model, training, tokens, tp, mlp)
+
+    def forward_dropping(dropped: float) -> Workspace:
+        # at the softmax the layer holds what recomputation then drops and the scratch bytes,
+        # but not yet what it keeps after the attention core
+        forward = max(0.0, attention_scratch + dropped - after_core)
+        return dataclasses.replace(workspace, forward=forward)
+
     if recompute == "selective":
         # the replay runs after B went through the layer's MLP half: a fused backward has
         # freed that half by then; a split B keeps its linear inputs and adds their output
@@ -219,38 +227,21 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
         return ActivationSizes(layer - attention, wgrad, embedding, head,
                                transient=max(0.0, attention - after),
                                transient_split=max(0.0, attention - freed + kept),
-                               workspace=workspace.forward_dropping(attention, after_core))
+                               workspace=forward_dropping(attention))
     if recompute == "full":
         kept = e * tokens * h / sp
         return ActivationSizes(kept, wgrad, embedding, head, transient=layer - kept,
                                transient_split=layer - kept,
-                               workspace=workspace.forward_dropping(layer - kept, after_core))
+                               workspace=forward_dropping(layer - kept))
     return ActivationSizes(layer, wgrad, embedding, head,
-                           workspace=workspace.forward_dropping(0.0, after_core))
-
-
-@dataclass(frozen=True)
-class _LayerWorkspace:
-    """A layer's workspace before the forward's is made relative to what the layer keeps."""
-
-    attention_forward: float
-    backward: float
-    backward_split: float
-    weight: float
-    head_forward: float
-
-    def forward_dropping(self, dropped: float, after_core: float) -> Workspace:
-        """The :class:`Workspace`, the forward's relative to the layer's level after F: at the
-        softmax, the layer holds what recomputation then drops (``dropped``) and the scratch
-        bytes, but not yet what it keeps after the attention core (``after_core``)."""
-        forward = max(0.0, self.attention_forward + dropped - after_core)
-        return Workspace(forward, self.backward, self.backward_split, self.weight,
-                         self.head_forward)
+                           workspace=forward_dropping(0.0))
 
 
 def _layer_workspace(model: ModelConfig, training: TrainingConfig, tokens: int, tp: int,
-                     mlp: _MlpBytes) -> _LayerWorkspace:
-    """Scratch bytes of one layer's passes and of the LM head's forward (see :class:`Workspace`).
+                     mlp: _MlpBytes) -> tuple[float, Workspace]:
+    """Scratch bytes of one layer's passes and of the LM head's forward (see :class:`Workspace`):
+    the attention's forward scratch (before what the layer keeps is taken off it) and the
+    :class:`Workspace` of every other pass.
 
     Measured by the CUDA allocator on megatron's unfused attention (``vshape gpu-check``, whose
     ``scripts/gpu/memory_probe.py`` measures one layer's passes): its F holds the scores (e bytes)
@@ -280,7 +271,7 @@ def _layer_workspace(model: ModelConfig, training: TrainingConfig, tokens: int, 
     wide = 2 if model.swiglu else 1
     weight = e * max(h * (h + kv), h * wide * f, h * f) / tp  # the largest linear's
     head_forward = e * tokens * model.vocab_size / tp if e < 4 else 0.0
-    return _LayerWorkspace(attention_forward, backward, backward_split, weight, head_forward)
+    return attention_forward, Workspace(0.0, backward, backward_split, weight, head_forward)
 
 
 def chunk_bytes(share: ChunkShare, sizes: ActivationSizes) -> ChunkBytes:
@@ -311,12 +302,12 @@ def peak_activation_bytes(schedule: Schedule, chunks: Sequence[Sequence[ChunkByt
     ``workspace``: add each pass's scratch bytes (:class:`Workspace`), what the allocator's
     peak sees; without, the bytes kept for backward only (what saved-tensor hooks see).
     """
-    peaks = []
+    peaks, none = [], Workspace()
     for rank in range(schedule.ranks):
         level = peak = 0.0
         for action in schedule.compute_actions(rank):
             chunk = chunks[rank][schedule.placement.locate(action.stage)[1]]
-            ws = chunk.workspace if workspace else Workspace()
+            ws = chunk.workspace if workspace else none
             if action.kind is PassKind.B:
                 peak = max(peak, level + chunk.transient_split + ws.backward_split)
             elif action.kind is PassKind.BW:

@@ -93,10 +93,9 @@ class TrainingConfig:
         return _PARAMETER_BYTES[self.precision]
 
 
-KNOWN_GPUS = {
-    "H100": {"gpu_tflops": 989.0, "memory_tbps": 3.35, "sms": 132},
-    "H200": {"gpu_tflops": 989.0, "memory_tbps": 4.8, "sms": 132},
-}
+_H100 = {"gpu_tflops": GpuSpec.peak_tflops, "memory_tbps": GpuSpec.memory_tbps,
+         "sms": GpuSpec.sms}
+KNOWN_GPUS = {"H100": _H100, "H200": {**_H100, "memory_tbps": 4.8}}
 """Datasheet limits (SXM parts) of the GPUs whose measured profiles the project holds, as
 :class:`ClusterConfig` fields: the H200 is an H100 die with faster, larger HBM3e."""
 

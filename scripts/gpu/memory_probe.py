@@ -87,10 +87,7 @@ def _passes(stack, s, h, dtype, split, microbatch, device) -> dict:
         row["W"] = _pass(lambda: stack.store.run(microbatch))
     else:
         row["BW"] = _pass(lambda: out.pop().backward(dy))
-    for p in stack.module.parameters():
-        p.grad = None
-    return {k: {"peak_MiB": round(a / 2**20, 1), "kept_MiB": round(b / 2**20, 1)}
-            for k, (a, b) in row.items()}
+    return _in_mib(row, stack.module)
 
 
 def _head_passes(head, s, h, vocab, dtype, device) -> dict:
@@ -104,7 +101,13 @@ def _head_passes(head, s, h, vocab, dtype, device) -> dict:
         logits, _ = head.output_layer(head.decoder.final_layernorm(x))
         loss.append(head.compute_language_model_loss(labels, logits).float().mean())
     row = {"F": _pass(forward), "B": _pass(lambda: loss.pop().backward())}
-    for p in head.parameters():
+    return _in_mib(row, head)
+
+
+def _in_mib(row: dict, module) -> dict:
+    """The pass rows in MiB; ``module``'s gradients dropped, so each iteration allocates them
+    afresh (a fused backward's and W's rows include that allocation)."""
+    for p in module.parameters():
         p.grad = None
     return {k: {"peak_MiB": round(a / 2**20, 1), "kept_MiB": round(b / 2**20, 1)}
             for k, (a, b) in row.items()}
