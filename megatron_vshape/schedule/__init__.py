@@ -24,6 +24,7 @@ from .model.costs import Costs, MemoryModel, parse_costs, parse_memory_model
 from .model.limits import memory_limit_units
 from .model.lower import lower
 from .model.placement import Layout, Placement
+from .model.problem import Problem
 from .model.schedule import Schedule
 from .model.simulate import SimResult, simulate
 from .model.validate import ValidationError, validate
@@ -33,6 +34,6 @@ from .search.adaptive import InfeasibleMemoryError, SearchResult, frontier, sear
 __all__ = [
     "Action", "PassKind", "ScheduleError", "parse_action", "BuildingBlock", "BlockFamily",
     "compose", "repeat", "Costs", "MemoryModel", "parse_costs", "parse_memory_model", "lower", "Layout", "Placement",
-    "SCHEDULES", "VARIANTS", "build_schedule", "Schedule", "SimResult", "simulate", "ValidationError",
+    "Problem", "SCHEDULES", "VARIANTS", "build_schedule", "Schedule", "SimResult", "simulate", "ValidationError",
     "validate", "InfeasibleMemoryError", "SearchResult", "frontier", "memory_limit_units", "search",
 ]
