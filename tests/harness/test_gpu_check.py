@@ -239,14 +239,16 @@ def test_the_scratch_bytes_of_megatrons_unfused_attention():
 
 
 def test_the_planner_predicts_the_gpu_peaks():
-    """docs/results/gpu-check/report*.json, ``vshape gpu-check`` on an H200 (PP 4; megatron-core
-    0.19.2 in bf16 and fp32, 0.16.1 in bf16): for every fixed schedule rebuilt here, the planner's kept bytes plus workspace are
+    """docs/results/gpu-check/report*.json, ``vshape gpu-check`` on an H200 and on an H100 (PP 4;
+    megatron-core 0.19.2 in bf16 and fp32, 0.16.1 in bf16, on each): for every fixed schedule
+    rebuilt here, the planner's kept bytes plus workspace are
     within 3% of each rank's CUDA allocator peak (measured 0.988-1.023), its kept bytes
     within 2% of the saved-tensor tracker's peak, and without the workspace the prediction
     falls 6-13% short of the allocator on 1F1B's ranks 0-2 (what the workspace is for)."""
     reports = [json.loads(path.read_text())
                for path in sorted((ROOT / "docs/results/gpu-check").glob("report*.json"))]
     assert {r["machine"]["megatron_core"] for r in reports} == {"0.16.1", "0.19.2"}
+    assert {r["machine"]["device_name"] for r in reports} == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}
     assert all(r["machine"]["device"] == "cuda" and r["passed"] for r in reports)
     for run in (run for report in reports for run in report["pipelines"]):
         settings = check_settings("cuda", False, run["dtype"])
