@@ -130,7 +130,7 @@ class VShapeForwardBackward:
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(
                 barrier=getattr(config, "barrier_with_L1_time", False))
-        schedule = self._schedule(pg.pp.size(), num_microbatches, len(chunks), len(iterators),
+        schedule = self.schedule_for(pg.pp.size(), num_microbatches, len(chunks), len(iterators),
                                   config)
         spec = message_spec(config, pg, seq_length, micro_batch_size, decoder_seq_length,
                             adjust_tensor_shapes_fn, _device())
@@ -174,7 +174,10 @@ class VShapeForwardBackward:
         return self.profile.gather_costs(schedule.placement, pg.pp.rank(), comm, group=pg.pp)
 
     # -- pieces --------------------------------------------------------------------------------
-    def _schedule(self, p, m, num_chunks, num_iterators, config):
+    def schedule_for(self, p, m, num_chunks, num_iterators, config):
+        """The schedule this function runs for ``p`` ranks and ``m`` microbatches (built once,
+        then reused), after checking the model's chunks and data iterators fit it: the check
+        runs before any pass, so a wrong model build fails with what to change."""
         two = schedule_info(self.schedule).chunks == 2
         if num_chunks != (2 if two else 1) or num_iterators != num_chunks:
             raise ValueError(

@@ -31,7 +31,7 @@ from .profile_file import MeasuredProfile
 from .settings import GIB, ClusterConfig, ParallelLayout, TrainingConfig
 from .shares import rank_shares, whole_model_share
 
-__all__ = ["Prediction", "Evaluator"]
+__all__ = ["Prediction", "Evaluator", "RankMemory"]
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Prediction:
 
 
 @dataclass(frozen=True)
-class _Rank:
+class RankMemory:
     """What the memory check needs of one configuration, per rank."""
 
     chunks: tuple[tuple[ChunkBytes, ...], ...]
@@ -160,7 +160,8 @@ class Evaluator:
         makespan, bubble = self._simulations[key]
         return makespan * scale, bubble
 
-    def _ranks(self, point: GridPoint, shares, single: bool, recompute: str = "none") -> _Rank:
+    def rank_memory(self, point: GridPoint, shares, single: bool, recompute: str = "none"
+                    ) -> RankMemory:
         """Per rank, its chunks' activation bytes and static memory. A profile's measured
         ``backward_leftover`` replaces the formula's share of a layer B leaves for W (a ratio,
         so it holds in any dtype); ``auto``'s memory model follows from it."""
@@ -174,7 +175,7 @@ class Evaluator:
         chunks = tuple(tuple(chunk_bytes(c, sizes) for c in rank) for rank in shares)
         static = tuple(static_memory(self.model, self.training, rank, point.tp, point.dp, single,
                                      point.ep) for rank in shares)
-        return _Rank(chunks, static, shares)
+        return RankMemory(chunks, static, shares)
 
     # -- one configuration --------------------------------------------------------------------
     def evaluate(self, point: GridPoint, name: str, recompute: str = "none") -> Prediction:
@@ -192,7 +193,7 @@ class Evaluator:
             shares = rank_shares(self.model, probe.placement)
         except ValueError as err:
             return Prediction(layout, point.microbatches, False, str(err), "layers")
-        ranks = self._ranks(point, shares, single=False, recompute=recompute)
+        ranks = self.rank_memory(point, shares, single=False, recompute=recompute)
         peaks = peak_activation_bytes(probe, ranks.chunks)
         if max(s.total + a for s, a in zip(ranks.static, peaks)) > self.cluster.budget_bytes:
             return self._memory_failure(point, layout, ranks, peaks,
@@ -212,7 +213,7 @@ class Evaluator:
             shares = rank_shares(self.model, Placement(point.pp, StageLayout.V))
         except ValueError as err:
             return Prediction(layout, point.microbatches, False, str(err), "layers")
-        ranks = self._ranks(point, shares, single=False)
+        ranks = self.rank_memory(point, shares, single=False)
         costs = rank_costs(shares, self.times(point.tp, point.micro_batch_size, ep=point.ep),
                            self.hop(point))
         free = [self.cluster.budget_bytes - s.total for s in ranks.static]
@@ -251,13 +252,13 @@ class Evaluator:
         passes' scratch bytes, as the CUDA allocator sees them; without, the bytes kept for
         backward, as the runtime's saved-tensor tracker sees them) under ``recompute``."""
         shares = rank_shares(self.model, schedule.placement)
-        ranks = self._ranks(point, shares, single=False, recompute=recompute)
+        ranks = self.rank_memory(point, shares, single=False, recompute=recompute)
         return tuple(peak_activation_bytes(schedule, ranks.chunks, workspace))
 
     # -- helpers ------------------------------------------------------------------------------
     def _no_pipeline(self, point: GridPoint, layout: ParallelLayout) -> Prediction:
         shares = whole_model_share(self.model)
-        ranks = self._ranks(point, shares, single=True, recompute=layout.recompute)
+        ranks = self.rank_memory(point, shares, single=True, recompute=layout.recompute)
         chunk = ranks.chunks[0][0]
         # one microbatch at a time: F (and its scratch), then a fused backward on top of it
         ws = chunk.workspace
@@ -270,7 +271,7 @@ class Evaluator:
         return self._finish(point, layout, ranks, peaks,
                             "no pipeline: gradient accumulation over the microbatches", run)
 
-    def _memory_failure(self, point, layout, ranks: _Rank, peaks, what: str) -> Prediction:
+    def _memory_failure(self, point, layout, ranks: RankMemory, peaks, what: str) -> Prediction:
         totals = [s.total + a for s, a in zip(ranks.static, peaks)]
         r = max(range(len(totals)), key=totals.__getitem__)
         c = self.cluster
@@ -281,7 +282,7 @@ class Evaluator:
         return Prediction(layout, point.microbatches, False, reason, "memory", r, peaks[r],
                           s.weights, s.gradients, s.optimizer, tuple(peaks))
 
-    def _finish(self, point: GridPoint, layout: ParallelLayout, ranks: _Rank, peaks,
+    def _finish(self, point: GridPoint, layout: ParallelLayout, ranks: RankMemory, peaks,
                 description: str, run: Callable[[Costs], tuple[float, float]]) -> Prediction:
         totals = [s.total + a for s, a in zip(ranks.static, peaks)]
         if max(totals) > self.cluster.budget_bytes:

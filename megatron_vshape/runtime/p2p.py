@@ -98,7 +98,8 @@ class Transport:
                                         device=self.spec.wire_device)
             posted.header_work = self._irecv(posted.header, route, where)
         else:
-            posted.buffer = self._empty(self.spec.shape_of(route.stream[1], route.message[2]))
+            posted.buffer = self.receive_buffer(
+                self.spec.shape_of(route.stream[1], route.message[2]))
             posted.work = self._irecv(posted.buffer, route, where)
         self._posted[route.message] = posted
 
@@ -109,7 +110,7 @@ class Transport:
         if posted.header_work is not None:
             self._wait(posted.header_work, route, where)
             ndim = int(posted.header[0])
-            posted.buffer = self._empty(tuple(int(d) for d in posted.header[1:1 + ndim]))
+            posted.buffer = self.receive_buffer(tuple(int(d) for d in posted.header[1:1 + ndim]))
             posted.work = self._irecv(posted.buffer, route, where)
         begin = time.perf_counter()
         self._wait(posted.work, route, where)
@@ -147,9 +148,12 @@ class Transport:
         """Messages with a posted receive nobody has waited for (must be empty after a step)."""
         return list(self._posted)
 
-    # -- helpers --------------------------------------------------------------------------
-    def _empty(self, shape: tuple) -> torch.Tensor:
+    def receive_buffer(self, shape: tuple) -> torch.Tensor:
+        """An empty tensor to receive a message of ``shape`` into, on the wire's device (the
+        host for gloo with CUDA tensors: ``TensorSpec.wire``)."""
         return torch.empty(shape, dtype=self.spec.dtype, device=self.spec.wire_device)
+
+    # -- helpers --------------------------------------------------------------------------
 
     def _irecv(self, tensor: torch.Tensor, route: Route, where: str):
         src = self.groups.global_rank(route.peer)

@@ -139,11 +139,11 @@ def test_a_profiles_leftover_sets_what_w_keeps_in_the_plan():
     layer = activation_sizes(model, training, 1, 1).layer
     with_profile = Evaluator(model, training, cluster, profile)
     shares = _v_shares(model)
-    ranks = with_profile._ranks(point, shares, single=False)
+    ranks = with_profile.rank_memory(point, shares, single=False)
     for rank, rank_shares in zip(ranks.chunks, shares):
         for chunk, share in zip(rank, rank_shares):
             assert chunk.wgrad == pytest.approx(share.layers * profile.backward_leftover * layer)
-    analytic = Evaluator(model, training, cluster)._ranks(point, shares, single=False)
+    analytic = Evaluator(model, training, cluster).rank_memory(point, shares, single=False)
     assert analytic.chunks[1][0].wgrad != pytest.approx(ranks.chunks[1][0].wgrad)
     assert with_profile.evaluate_auto(point).feasible
 

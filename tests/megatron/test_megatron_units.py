@@ -77,9 +77,9 @@ def test_forward_backward_checks_chunks_and_microbatches_before_work():
     fb = VShapeForwardBackward("v-half")
     config = types.SimpleNamespace(calculate_per_token_loss=False)
     with pytest.raises(ValueError, match="needs 2 model chunk"):
-        fb._schedule(4, 8, 1, 1, config)
+        fb.schedule_for(4, 8, 1, 1, config)
     with pytest.raises(ScheduleError, match="microbatches"):
-        fb._schedule(4, 0, 2, 2, config)
+        fb.schedule_for(4, 0, 2, 2, config)
     with pytest.raises(ValueError, match="replan_after re-plans auto and the fastest variant"):
         VShapeForwardBackward("v-half", replan_after=3, variant="paper")
     with pytest.raises(ValueError, match="unknown schedule variant 'best'; valid choices: fastest, paper"):

@@ -218,6 +218,6 @@ def test_wire_device_stages_messages_through_host_memory():
     assert staged.wire_device == "cpu" and direct.wire_device == "meta"
     transport = Transport.__new__(Transport)  # no groups needed to allocate receive buffers
     transport.spec = staged
-    assert transport._empty((2, 3)).device.type == "cpu"
+    assert transport.receive_buffer((2, 3)).device.type == "cpu"
     transport.spec = direct
-    assert transport._empty((2, 3)).device.type == "meta"
+    assert transport.receive_buffer((2, 3)).device.type == "meta"
