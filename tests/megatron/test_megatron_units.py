@@ -92,12 +92,14 @@ def test_forward_backward_checks_chunks_and_microbatches_before_work():
 def test_auto_under_a_byte_limit_starts_as_v_min_until_measured():
     """A limit in bytes cannot be converted to units before a unit's bytes are measured, so
     the profiled iterations run the smallest-memory schedule; a fraction converts at once."""
+    config = types.SimpleNamespace(calculate_per_token_loss=False)
     fb = VShapeForwardBackward("auto", memory_limit="2GiB", replan_after=2)
-    assert fb._build(4, 8).name == "v-min"
-    fb.replanner.activation_bytes = 1 * 2**30  # as measured: 1 GiB per unit -> 2 units
-    found = fb._build(4, 8)
+    assert fb.schedule_for(4, 8, 2, 2, config).name == "v-min"
+    measured = VShapeForwardBackward("auto", memory_limit="2GiB", replan_after=2)
+    measured.replanner.activation_bytes = 1 * 2**30  # as measured: 1 GiB per unit -> 2 units
+    found = measured.schedule_for(4, 8, 2, 2, config)
     assert found.name == "auto" and simulate(found).peak_memory_max <= 2.0 + 1e-9
-    half = VShapeForwardBackward("auto", memory_limit="0.5")._build(4, 8)
+    half = VShapeForwardBackward("auto", memory_limit="0.5").schedule_for(4, 8, 2, 2, config)
     assert simulate(half).peak_memory_max <= 2.0 + 1e-9
 
 
