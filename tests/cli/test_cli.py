@@ -21,6 +21,7 @@ from megatron_vshape.configs import CONFIG_DIR
 from megatron_vshape.experiments import expand, load_grid
 from megatron_vshape.experiments.grid import PLAN_RULE, prune
 from megatron_vshape.schedule import SCHEDULES
+from support.fake_checkout import fake_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "scripts" / "slurm"
@@ -368,9 +369,7 @@ _EXPORTED = ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERRO
 
 
 def test_launcher_sets_nccl_defaults_and_keeps_the_users(tmp_path):
-    from test_experiments import _fake_checkout
-
-    fake = _fake_checkout(tmp_path)
+    fake = fake_checkout(tmp_path)
     (tmp_path / "bin" / "torchrun").write_text(
         "#!/bin/bash\n" + "".join(f'echo "ENV {k}=${{{k}:-unset}}"\n' for k in _EXPORTED))
     script = str(fake["repo"] / "scripts/slurm/pretrain_gpt_vshape.sbatch")

@@ -5,7 +5,6 @@ Megatron-LM core_v0.16.1's log formats (tests/data/logs/README.md); the values a
 are read off those files by hand.
 """
 import csv
-import os
 import shlex
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ from megatron_vshape.experiments import collect, expand, load_grid, parse_log, p
 from megatron_vshape.experiments.collect import COLUMNS, summarize
 from megatron_vshape.experiments.commands import MANIFEST_COLUMNS, point_args
 from megatron_vshape.experiments.grid import LayerSplit
+from support.fake_checkout import fake_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "tests" / "data" / "logs"
@@ -281,34 +281,8 @@ def test_slurm_scripts_pass_shellcheck(tmp_path):
         assert result.returncode == 0, f"{script}:\n{result.stdout}"
 
 
-def _fake_checkout(tmp_path) -> dict:
-    """A repository copy with a stand-in training script, a Megatron-LM stand-in, and a
-    torchrun that only prints its arguments: the launchers run end to end without GPUs."""
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    shutil.copytree(SLURM, repo / "scripts" / "slurm")
-    (repo / "scripts" / "pretrain_gpt_vshape.py").write_text("# stand-in\n")
-    megatron = tmp_path / "Megatron-LM"
-    megatron.mkdir()
-    (megatron / "pretrain_gpt.py").write_text("# stand-in\n")
-    bin_ = tmp_path / "bin"
-    bin_.mkdir()
-    stubs = {"torchrun": 'echo "TORCHRUN $*"\n', "srun": 'echo "SRUN $*"\n',
-             "scontrol": 'printf "node-a\\nnode-b\\n"\n'}
-    for name, body in stubs.items():
-        (bin_ / name).write_text("#!/bin/bash\n" + body)
-        (bin_ / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NODE_RANK"))}
-    env.update(PATH=f"{bin_}:{env['PATH']}", MEGATRON_LM=str(megatron), DATA_PATH="mock",
-               LOG_DIR=str(tmp_path / "logs"), VSHAPE_ROOT=str(repo))
-    for key in ("VOCAB_FILE", "MERGE_FILE", "TOKENIZER_MODEL", "CHECKPOINT_DIR", "CONTAINER",
-                "NNODES", "GPUS_PER_NODE", "RUN_NAME"):
-        env.pop(key, None)
-    return {"repo": repo, "env": env}
-
-
 def test_launcher_without_slurm_runs_torchrun_standalone(tmp_path):
-    fake = _fake_checkout(tmp_path)
+    fake = fake_checkout(tmp_path)
     env = dict(fake["env"], RUN_NAME="demo", GPUS_PER_NODE="4")
     result = subprocess.run(["bash", str(fake["repo"] / "scripts/slurm/pretrain_gpt_vshape.sbatch"),
                              "--num-layers", "8", "--pipeline-schedule", "v-half"],
@@ -323,7 +297,7 @@ def test_launcher_without_slurm_runs_torchrun_standalone(tmp_path):
 
 
 def test_launcher_in_slurm_starts_one_torchrun_per_node(tmp_path):
-    fake = _fake_checkout(tmp_path)
+    fake = fake_checkout(tmp_path)
     env = dict(fake["env"], RUN_NAME="multi", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
                SLURM_JOB_NODELIST="node-[a-b]", GPUS_PER_NODE="8", DATA_PATH="/data/a /data/b",
                VOCAB_FILE="/tok/vocab.json", MERGE_FILE="/tok/merges.txt")
@@ -346,7 +320,7 @@ def test_launcher_in_slurm_starts_one_torchrun_per_node(tmp_path):
     (None, {"MEGATRON_LM": "/nonexistent"}, "is not a Megatron-LM checkout"),
 ])
 def test_launcher_fails_clearly_without_its_environment(tmp_path, unset, set_, message):
-    fake = _fake_checkout(tmp_path)
+    fake = fake_checkout(tmp_path)
     env = dict(fake["env"], **set_)
     if unset:
         env.pop(unset)
@@ -357,7 +331,7 @@ def test_launcher_fails_clearly_without_its_environment(tmp_path, unset, set_, m
 
 
 def test_array_runner_runs_its_line(tmp_path):
-    fake = _fake_checkout(tmp_path)
+    fake = fake_checkout(tmp_path)
     out = tmp_path / "out"
     assert main(["grid", str(_write_grid(tmp_path)), "-o", str(out)]) == 0
     names = [shlex.split(line)[0].split("=", 1)[1]
