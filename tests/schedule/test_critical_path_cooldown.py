@@ -6,14 +6,15 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_vshape.schedule import (Action, Costs, MemoryModel, PassKind, ScheduleError,
-                                      build_schedule, parse_costs, simulate, validate)
+from megatron_vshape.schedule import (Action, Costs, Layout, MemoryModel, PassKind, Placement,
+                                      Problem, ScheduleError, build_schedule, parse_costs,
+                                      simulate, validate)
 from megatron_vshape.schedule.rewrite.critical_path_cooldown import (LINES, bottom_levels,
                                                                       critical_tail)
 from megatron_vshape.schedule.model.deps import dependencies
 from megatron_vshape.schedule.model.indexed import PassIndex
 from megatron_vshape.schedule.model.simulate import action_durations, pass_durations
-from megatron_vshape.schedule.search.adaptive import Problem, search_steps
+from megatron_vshape.schedule.search.adaptive import SearchRequest, search_steps
 from conftest import H100
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
@@ -131,7 +132,8 @@ def test_critical_tail_shortens_v_mins_cool_down_at_p16_h100_costs():
     what CP-SAT finds best for the last 60 time units after the same start)."""
     p, m = 16, 64
     costs = parse_costs(H100, p)
-    found = search_steps(Problem(p, m, costs, 6.0, MemoryModel(), shapes=True)).schedule
+    problem = Problem(Placement(p, Layout.V), m, costs, limit=6.0)
+    found = search_steps(SearchRequest(problem, shapes=True)).schedule
     before = simulate(found, costs).makespan
     after = simulate(found.with_actions(critical_tail(
         found.rank_actions, found.placement, costs, 12.0)), costs).makespan

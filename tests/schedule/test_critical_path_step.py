@@ -2,12 +2,13 @@
 faster, the lines by memory, left out with ``shapes=False``, named in the description."""
 import pytest
 
-from megatron_vshape.schedule import MemoryModel, parse_costs, search, simulate, validate
+from megatron_vshape.schedule import (Layout, MemoryModel, Placement, Problem, parse_costs,
+                                      search, simulate, validate)
 from megatron_vshape.schedule.rewrite.critical_path_cooldown import (LINES, critical_tail,
                                                                       critical_tails)
 from megatron_vshape.schedule.model.actions import ScheduleError
 from megatron_vshape.schedule.search import critical_path_step
-from megatron_vshape.schedule.search.adaptive import Problem, search_steps
+from megatron_vshape.schedule.search.adaptive import SearchRequest, search_steps
 from megatron_vshape.schedule.search.levels import clear_caches
 from megatron_vshape.schedule.search.critical_path_step import (STEP, faster_tail, tail_step,
                                                                 tail_lines)
@@ -46,7 +47,8 @@ def test_a_slower_tail_is_not_kept():
     search keeps its order."""
     p, m = 4, 8
     costs = parse_costs(H100, p)
-    plain = search_steps(Problem(p, m, costs, 4.0, MemoryModel(), shapes=True))
+    plain = search_steps(SearchRequest(Problem(Placement(p, Layout.V), m, costs, limit=4.0),
+                                       shapes=True))
     assert faster_tail(plain.schedule, costs, MemoryModel(), 4.0, plain.result.makespan) is None
     assert search(p, m, costs, 4.0).schedule.rank_actions == plain.schedule.rank_actions
 
@@ -65,7 +67,8 @@ def test_a_deadlocking_tail_is_passed_over():
     limit."""
     p, m, limit = 16, 32, 18.0
     costs = parse_costs("2,2.4,1.6,0.1", p)
-    plain = search_steps(Problem(p, m, costs, limit, MemoryModel(), shapes=True))
+    plain = search_steps(SearchRequest(Problem(Placement(p, Layout.V), m, costs, limit=limit),
+                                       shapes=True))
     orders, placement = plain.schedule.rank_actions, plain.schedule.placement
     assert critical_tails(orders, placement, costs, limit * 2, MemoryModel(), ("own",)) == {}
     with pytest.raises(ScheduleError, match="deadlock"):

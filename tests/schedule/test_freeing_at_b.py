@@ -5,8 +5,8 @@ import importlib
 
 import pytest
 
-from megatron_vshape.schedule import (MemoryModel, build_schedule, parse_costs, simulate,
-                                      validate)
+from megatron_vshape.schedule import (Layout, MemoryModel, Placement, Problem, build_schedule,
+                                      parse_costs, simulate, validate)
 from megatron_vshape.schedule.search.freeing_at_b import freeing_nothing_at_b, refined_under
 from conftest import B_FREES, H100
 
@@ -24,8 +24,8 @@ def test_the_default_shape_of_a_model_is_the_one_whose_b_frees_nothing():
 def test_refined_orders_validate_within_the_cap_and_the_polish_never_worsens(name, p, m):
     costs = parse_costs(H100, p)
     paper = build_schedule(name, p, m, variant="paper")
-    cap = paper.memory_bound * paper.placement.chunks
-    refined = dict(refined_under(paper, costs, B_FREES, cap, 20_000))
+    problem = Problem(paper.placement, m, costs, B_FREES, paper.memory_bound)
+    refined = dict(refined_under(problem, paper.rank_actions, 20_000))
     assert set(refined) == {"W deferred under the model", "W deferred and polished under the model"}
     times = {}
     for how, orders in refined.items():
@@ -38,7 +38,8 @@ def test_refined_orders_validate_within_the_cap_and_the_polish_never_worsens(nam
 
 def test_fused_passes_are_not_refined():
     paper = build_schedule("1f1b", 4, 8)
-    assert refined_under(paper, parse_costs(H100, 4), B_FREES, 8, 1000) == []
+    problem = Problem(paper.placement, 8, parse_costs(H100, 4), B_FREES).with_cap(8)
+    assert refined_under(problem, paper.rank_actions, 1000) == []
 
 
 def test_v_min_at_h100_costs_reaches_the_target_only_through_the_refinement(fresh_caches):
@@ -50,7 +51,8 @@ def test_v_min_at_h100_costs_reaches_the_target_only_through_the_refinement(fres
     one = simulate(build_schedule("1f1b", p, m), costs, B_FREES).makespan
     level = float((p + 4) // 3)
     default = adaptive.search(p, m, costs, level).result.makespan
-    own = adaptive.search_steps(adaptive.Problem(p, m, costs, level, B_FREES, True)).result.makespan
+    problem = Problem(Placement(p, Layout.V), m, costs, B_FREES, level)
+    own = adaptive.search_steps(adaptive.SearchRequest(problem, shapes=True)).result.makespan
     named = build_schedule("v-min", p, m, costs, memory=B_FREES)
     ours = simulate(named, costs, B_FREES)
     assert min(default, own) > 1.10 * one
@@ -68,7 +70,8 @@ def test_the_model_gets_no_search_of_its_own_where_the_default_model_fits(monkey
     searched = []
     search_steps = adaptive.search_steps
     monkeypatch.setattr(adaptive, "search_steps",
-                        lambda problem: searched.append(problem.memory) or search_steps(problem))
+                        lambda request: searched.append(request.problem.memory)
+                        or search_steps(request))
     found = adaptive.search(p, m, costs, level, B_FREES)
     default = adaptive.search(p, m, costs, level)
     assert searched == [MemoryModel()]

@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_vshape.schedule import Costs, MemoryModel, PassKind, build_schedule, simulate, validate
+from megatron_vshape.schedule import (Costs, MemoryModel, PassKind, Problem, build_schedule,
+                                      simulate, validate)
 from megatron_vshape.schedule.rewrite.gap_fill import fill_gaps
 from megatron_vshape.schedule.rewrite.reshape_ends import reshape_warm_up, unit_slots
 from megatron_vshape.schedule.model.simulate import peak_memory
@@ -32,12 +33,13 @@ def test_filled_orders_keep_passes_stage_order_and_peak(p, m_factor, name, relai
     (under the model it filled with), and never longer in unit slots."""
     memory = B_FREES if freeing else MemoryModel()
     paper = build_schedule(name, p, m_factor * p, variant="paper")
+    problem = Problem(paper.placement, paper.microbatches, Costs.build(p), memory)
     orders = paper.rank_actions
     if relaid:
-        orders = reshape_warm_up(paper.placement, orders, int(2 * max(peak_memory(paper))))
+        orders = reshape_warm_up(problem.with_limit(max(peak_memory(paper))), orders)
     before = paper.with_actions(orders)
     simulate(before)  # the re-laid warm-up runs (else the search would have dropped it)
-    after = paper.with_actions(fill_gaps(paper.placement, orders, memory))
+    after = paper.with_actions(fill_gaps(problem, orders))
     validate(after)
     for old, new in zip(before.rank_actions, after.rank_actions):
         assert Counter(old) == Counter(new)
@@ -54,8 +56,9 @@ def test_a_bubble_takes_the_first_ready_pass_that_fits():
     and at costs 2,2,2, hop 0.1 the order takes 169.0 (the reference's), not 169.4."""
     p, m = 16, 16
     paper = build_schedule("v-min", p, m, variant="paper")
-    relaid = reshape_warm_up(paper.placement, paper.rank_actions, 12)
-    filled = fill_gaps(paper.placement, relaid)
+    problem = Problem(paper.placement, m, Costs.build(p)).with_cap(12)
+    relaid = reshape_warm_up(problem, paper.rank_actions)
+    filled = fill_gaps(problem, relaid)
     rank0 = [str(a) for a in filled[0]]
     assert rank0.index("0F11") < rank0.index("0B0")
     assert [str(a) for a in relaid[0]].index("0F11") > [str(a) for a in relaid[0]].index("0B0")
@@ -103,9 +106,9 @@ def test_the_search_fills_gaps_only_where_passes_take_about_one_slot(p, m, costs
     p units; on a small schedule (p = 4, m = 8: 192 passes) always."""
     calls = []
 
-    def recorded(placement, orders, memory=MemoryModel()):
+    def recorded(problem, orders):
         calls.append(len(orders))
-        return fill_gaps(placement, orders, memory)
+        return fill_gaps(problem, orders)
 
     monkeypatch.setattr(improvements, "fill_gaps", recorded)
     adaptive.clear_cache()  # so that this search runs

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Schedule,
+from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Problem, Schedule,
                                       ScheduleError, build_schedule, parse_memory_model, search,
                                       simulate, validate)
 from megatron_vshape.schedule.construct.greedy import Policy, greedy_schedule
@@ -94,21 +94,21 @@ def test_local_search_never_worsens_and_keeps_the_limit():
     p, m = 4, 8
     c = Costs.build(p, 2, 2.4, 1.6, 0.1)
     start = build_schedule("v-half", p, m, variant="paper")
-    placement = Placement(p, Layout.V)
-    better = improve(placement, m, start.rank_actions, c, cap=6)
+    problem = Problem(Placement(p, Layout.V), m, c, limit=3)
+    better = improve(problem, start.rank_actions)
     polished = start.with_actions(better.orders)
     validate(polished, memory_limit=3)
     assert better.makespan == pytest.approx(simulate(polished, c).makespan)
     assert better.makespan < simulate(start, c).makespan  # this start has gaps to fill
     with pytest.raises(ScheduleError, match="exceed 4 chunk-activations"):
-        improve(placement, m, start.rank_actions, c, cap=4)
+        improve(problem.with_limit(2), start.rank_actions)
 
 
 def test_a_move_repeated_per_microbatch_is_made_in_every_period_and_keeps_the_order_valid():
     p, m = 4, 16
     c = h100_costs(p)
     start = build_schedule("v-min", p, m, variant="paper")
-    search = LocalSearch(start.placement, m, start.rank_actions, c, 4, MemoryModel(), 6)
+    search = LocalSearch(Problem(start.placement, m, c, limit=2), start.rank_actions, 6)
     r, i, (new, changed) = next((r, i, moved) for r, j, i in search.moves()
                                 if (moved := search.repeated(r, j, i, 1)))
     old = search.orders[r]
@@ -128,7 +128,7 @@ def test_the_deadlock_check_agrees_with_timing_every_single_move(name, p, m, mon
     search the whole graph), and with the default probe only ever for moves that get stuck."""
     c = h100_costs(p)
     start = build_schedule(name, p, m, variant="paper")
-    search = LocalSearch(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
+    search = LocalSearch(Problem(start.placement, m, c, limit=p), start.rank_actions, 6)
     moves = []
     for r, order in enumerate(search.orders):
         for j in range(1, len(order)):
@@ -151,7 +151,7 @@ def test_a_repeated_move_whose_single_move_deadlocks_is_not_timed_and_would_dead
     every period anyway, each of those orders gets stuck when timed (local.py's claim)."""
     c = h100_costs(p)
     start = build_schedule(name, p, m, variant="paper")
-    search = LocalSearch(start.placement, m, start.rank_actions, c, 2 * p, MemoryModel(), 6)
+    search = LocalSearch(Problem(start.placement, m, c, limit=p), start.rank_actions, 6)
     dead = [(r, j, i) for r, order in enumerate(search.orders) for j in range(1, len(order))
             for i in range(max(0, j - 6), j)
             if not search.blocked(order, i, j) and search.deadlocks(r, i, j)]
@@ -175,9 +175,9 @@ def test_moves_repeated_per_microbatch_cross_the_single_moves_plateau():
     p, m = 4, 16
     c = h100_costs(p)
     start = build_schedule("v-min", p, m, variant="paper")
-    single = improve(start.placement, m, start.rank_actions, c, cap=4, budget=1_000_000)
-    repeated = improve_repeated(start.placement, m, start.rank_actions, c, cap=4,
-                                budget=1_000_000)
+    problem = Problem(start.placement, m, c, limit=2)
+    single = improve(problem, start.rank_actions, budget=1_000_000)
+    repeated = improve_repeated(problem, start.rank_actions, budget=1_000_000)
     polished = start.with_actions(repeated.orders)
     validate(polished, memory_limit=2)
     assert repeated.makespan == pytest.approx(simulate(polished, c).makespan)

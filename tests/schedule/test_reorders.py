@@ -123,11 +123,12 @@ def test_unknown_reorder_is_named():
 
 @pytest.mark.parametrize("p", [4, 8])
 def test_continuous_block_at_uniform_costs_is_v_min(p):
-    from megatron_vshape.schedule import Costs, build_schedule
+    from megatron_vshape.schedule import Costs, Problem, build_schedule
     from megatron_vshape.schedule.construct.periodic import periodic_block, periodic_orders
 
     m = 4 * p
-    schedule = _schedule(periodic_orders(periodic_block(p, Costs.build(p)), m), Layout.V, p, m)
+    block = periodic_block(Problem(Placement(p, Layout.V), m, Costs.build(p)))
+    schedule = _schedule(periodic_orders(block, m), Layout.V, p, m)
     validate(schedule)
     ours, v_min = simulate(schedule), simulate(build_schedule("v-min", p, m, variant="paper"))
     assert ours.peak_memory_max == v_min.peak_memory_max

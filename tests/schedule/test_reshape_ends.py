@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_vshape.schedule import (Costs, Layout, PassKind, Placement,
+from megatron_vshape.schedule import (Costs, Layout, PassKind, Placement, Problem,
                                       ScheduleError, build_schedule, simulate, validate)
 from megatron_vshape.schedule.rewrite.reshape_ends import reshape_cool_down, reshape_warm_up
 from megatron_vshape.schedule.model.simulate import DeadlockError
@@ -27,8 +27,15 @@ _PAPER_ORDERS = given(p=st.integers(2, 8), m_factor=st.integers(1, 4),
 
 
 def _paper_at_peak(p, m_factor, name, extra):
+    """The paper order and its problem at the peak (``full``) of ``_PAPER_ORDERS``."""
     paper = build_schedule(name, p, m_factor * p, variant="paper")
-    return paper, max(2, int(2 * max(simulate(paper).peak_memory)) + extra)
+    peak = max(2, int(2 * max(simulate(paper).peak_memory)) + extra)
+    return paper, _problem(paper).with_cap(peak)
+
+
+def _problem(schedule) -> Problem:
+    placement = schedule.placement
+    return Problem(placement, schedule.microbatches, Costs.build(placement.ranks))
 
 
 def _assert_stages_keep_microbatch_order(order):
@@ -51,9 +58,9 @@ def _validate_unless_deadlocked(paper, reshaped):
 @settings(max_examples=30, deadline=None)
 @_PAPER_ORDERS
 def test_reshape_only_reorders_each_ranks_warm_up(p, m_factor, name, extra):
-    paper, peak = _paper_at_peak(p, m_factor, name, extra)
+    paper, problem = _paper_at_peak(p, m_factor, name, extra)
     placement = paper.placement
-    reshaped = reshape_warm_up(placement, paper.rank_actions, peak)
+    reshaped = reshape_warm_up(problem, paper.rank_actions)
     for rank, (old, new) in enumerate(zip(paper.rank_actions, reshaped)):
         cut = _first_chunk0_b(placement, rank, old)
         assert Counter(old[:cut]) == Counter(new[:cut])  # the same passes before chunk 0's B
@@ -65,8 +72,8 @@ def test_reshape_only_reorders_each_ranks_warm_up(p, m_factor, name, extra):
 @settings(max_examples=30, deadline=None)
 @_PAPER_ORDERS
 def test_cool_down_keeps_every_pass_and_each_stages_order(p, m_factor, name, extra):
-    paper, peak = _paper_at_peak(p, m_factor, name, extra)
-    reshaped = reshape_cool_down(paper.placement, paper.rank_actions, peak)
+    paper, problem = _paper_at_peak(p, m_factor, name, extra)
+    reshaped = reshape_cool_down(problem, paper.rank_actions)
     for old, new in zip(paper.rank_actions, reshaped):
         assert Counter(old) == Counter(new)
         _assert_stages_keep_microbatch_order(new)
@@ -100,7 +107,7 @@ def test_cool_down_lays_the_last_gradients_tight():
     p, m = 8, 64
     paper = build_schedule("v-min", p, m, variant="paper")
     assert _last_gradient_spacing(paper) == [[6.0, 6.0, 6.0]] * p
-    relaid = paper.with_actions(reshape_cool_down(paper.placement, paper.rank_actions, 8))
+    relaid = paper.with_actions(reshape_cool_down(_problem(paper).with_cap(8), paper.rank_actions))
     assert _last_gradient_spacing(relaid) == [[2.0, 2.0, 2.0]] * p
     found = search(p, m, Costs.build(p, 2, 2, 2, comm=0.1), 4.0)
     assert "cool-down re-laid" in found.schedule.description
@@ -112,7 +119,7 @@ def test_reshape_lays_the_shape_of_the_module_doc():
     paper = build_schedule("v-half", p, m, variant="paper")
     placement = paper.placement
     peak = 8
-    reshaped = reshape_warm_up(placement, paper.rank_actions, peak)
+    reshaped = reshape_warm_up(_problem(paper).with_cap(peak), paper.rank_actions)
     for rank, order in enumerate(reshaped):
         down, up = placement.stage_of(rank, 0), placement.stage_of(rank, 1)
         warm = order[:_first_chunk0_b(placement, rank, order)]
@@ -127,7 +134,8 @@ def test_reshape_lays_the_shape_of_the_module_doc():
 def test_reshape_needs_the_v_layout():
     one = build_schedule("1f1b", 4, 8)
     with pytest.raises(ScheduleError, match="V layout"):
-        reshape_warm_up(Placement(4, Layout.SINGLE), one.rank_actions, 4)
+        reshape_warm_up(Problem(Placement(4, Layout.SINGLE), 8, Costs.build(4), limit=4),
+                        one.rank_actions)
 
 
 @pytest.mark.parametrize("p,m,costs,limit,reference,tolerance", [

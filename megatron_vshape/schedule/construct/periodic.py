@@ -13,15 +13,18 @@ each W right after its B, or into the next free gap. A longer period lowers the 
 microbatches in flight per lifespan) at the cost of a slower steady state.
 
 Repeating the block every T and sorting each rank's passes by start time gives the order; the
-simulator then squeezes it. Memory is whatever the order holds (checked by the caller).
+simulator then squeezes it. Memory is whatever the order holds (checked by the caller): the
+block reads the problem's placement and costs, not its limit.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..model.actions import Action, PassKind, ScheduleError
-from ..model.costs import Costs
 from ..model.placement import Layout, Placement
+from ..model.problem import Problem
 
 __all__ = ["PeriodicBlock", "periodic_block", "periodic_orders"]
 
@@ -71,9 +74,12 @@ class _Reservations:
         raise ScheduleError(f"no room for a pass of length {length:g} in period {self.period:g}")
 
 
-def periodic_block(ranks: int, costs: Costs, period_scale: float = 1.0) -> PeriodicBlock:
-    """Build the block for ``costs``; the period is ``period_scale`` x the slowest rank's work."""
-    p = ranks
+def periodic_block(problem: Problem, period_scale: float = 1.0) -> PeriodicBlock:
+    """Build the block for the problem's costs (a V placement); the period is ``period_scale``
+    x the slowest rank's work."""
+    if problem.placement.layout is not Layout.V:
+        raise ScheduleError("the continuous-offset block is defined for the V layout")
+    p, costs = problem.ranks, problem.costs
     f = [x / 2 for x in costs.forward]
     b = [x / 2 for x in costs.backward]
     w = [x / 2 for x in costs.weight]

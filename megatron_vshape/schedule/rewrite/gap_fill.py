@@ -25,9 +25,8 @@ The schedule pipeline as a picture, with why each step is there: docs/design.md.
 from __future__ import annotations
 
 from ..model.actions import Action, PassKind
-from ..model.costs import MemoryModel
 from ..model.indexed import PassIndex
-from ..model.placement import Placement
+from ..model.problem import Problem
 from ..model.simulate import level_peak
 from .reshape_ends import unit_slots
 
@@ -38,19 +37,20 @@ _EMPTY = -1
 """A bubble in a rank's row of pass ids."""
 
 
-def fill_gaps(placement: Placement, orders, memory: MemoryModel = MemoryModel()
-              ) -> tuple[tuple[Action, ...], ...]:
+def fill_gaps(problem: Problem, orders) -> tuple[tuple[Action, ...], ...]:
     """``orders`` with their unit-slot bubbles filled (module doc), within their own peak in
-    chunk-activations under ``memory``. Works on pass ids (indexed.py), and a bubble's scan
-    stops once every (kind, stage) of the rank was tried, a forward that does not fit too
-    (every later pass is then of a tried kind): the 3 gap-filled candidates of v-min's search
-    at p = 16, m = 64 took 0.115 s with their simulations on actions and a scan to the rank's
+    chunk-activations under the problem's memory model: the peak never rises, so the
+    problem's limit is not read. Works on pass ids (indexed.py), and a bubble's scan stops
+    once every (kind, stage) of the rank was tried, a forward that does not fit too (every
+    later pass is then of a tried kind): the 3 gap-filled candidates of v-min's search at
+    p = 16, m = 64 took 0.115 s with their simulations on actions and a scan to the rank's
     end, 0.037 s now, same orders."""
-    index = PassIndex.for_orders(placement, orders)
+    memory = problem.memory
+    index = PassIndex.for_orders(problem.placement, orders)
     grid, column = _grid(index, orders)
     step = index.steps(memory)
     peak = max(level_peak((a.kind for a in order), memory) for order in orders)
-    level = [0.0] * placement.ranks
+    level = [0.0] * problem.ranks
     last = [max((j for j, a in enumerate(row) if a != _EMPTY), default=-1) for row in grid]
     group = [a // index.microbatches for a in range(len(index.actions))]  # kind and stage
     kinds = [len({group[a] for a in row if a != _EMPTY}) for row in grid]

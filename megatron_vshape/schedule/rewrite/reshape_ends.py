@@ -14,8 +14,10 @@ p and a peak of P chunk-activations::
     until done  :  chunk-1 B, its W, then a forward (chunk 1's while one is left)
 
 with at most P - min(i + 1, P // 2) chunk-0 and min(i + 1, P // 2) chunk-1 forwards in the first
-two parts. Only the order of the prefix changes: the same passes (each stage's in their
-microbatch order) come before the rank's first chunk-0 B, and everything after it stays.
+two parts, P the problem's limit in whole chunk-activations (model/problem.py's ``full``; a
+caller that lays out to another peak passes ``problem.with_cap(peak)``). Only the order of the
+prefix changes: the same passes (each stage's in their microbatch order) come before the rank's
+first chunk-0 B, and everything after it stays.
 
 Cool-down (:func:`reshape_cool_down`): each rank's last few B passes laid so that both
 gradients' walks are tight, in unit slots (:func:`_cool_down_slots`), W passes refilled after.
@@ -35,6 +37,7 @@ from collections import deque
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.costs import Costs
 from ..model.placement import Layout, Placement
+from ..model.problem import Problem
 from ..model.simulate import pass_durations, time_orders
 
 __all__ = ["reshape_warm_up", "reshape_cool_down", "unit_slots"]
@@ -42,9 +45,11 @@ __all__ = ["reshape_warm_up", "reshape_cool_down", "unit_slots"]
 F, B, W = PassKind.F, PassKind.B, PassKind.W
 
 
-def reshape_warm_up(placement: Placement, orders, peak: int) -> tuple[tuple[Action, ...], ...]:
+def reshape_warm_up(problem: Problem, orders) -> tuple[tuple[Action, ...], ...]:
     """``orders`` with every rank's passes before its first chunk-0 B re-laid (module doc);
-    ``peak`` in chunk-activations sets how many forwards the first two parts take."""
+    the problem's limit in whole chunk-activations (``full``) sets how many forwards the first
+    two parts take."""
+    placement, peak = problem.placement, problem.full
     if placement.layout is not Layout.V:
         raise ScheduleError("the warm-up shape is defined for the V layout")
     return tuple(_reshape_rank(placement, rank, tuple(order), peak)
@@ -109,13 +114,15 @@ def _local_predecessor(action: Action, down: int, up: int) -> tuple | None:
     return None
 
 
-def reshape_cool_down(placement: Placement, orders, peak: int) -> tuple[tuple[Action, ...], ...]:
+def reshape_cool_down(problem: Problem, orders) -> tuple[tuple[Action, ...], ...]:
     """``orders`` with their tails re-laid in the cool-down shape of the paper code's adaptive
     search (module doc of :func:`_cool_down_slots`), or ``orders`` unchanged when the shape's
-    slots are taken. ``peak`` in chunk-activations, as for :func:`reshape_warm_up`."""
+    slots are taken; the peak laid out to is the problem's ``full``, as for
+    :func:`reshape_warm_up`."""
+    placement, peak = problem.placement, problem.full
     if placement.layout is not Layout.V:
         raise ScheduleError("the cool-down shape is defined for the V layout")
-    microbatches = 1 + max(a.microbatch for order in orders for a in order)
+    microbatches = problem.microbatches
     slots = unit_slots(placement, microbatches, orders)
     last_f1 = max(slot for a, slot in zip(orders[0], slots[0])
                   if a.kind is F and a.stage == placement.stage_of(0, 1))

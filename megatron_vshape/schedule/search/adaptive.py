@@ -57,7 +57,8 @@ limit is skipped (lifespan / interval bounds the memory from below, paper sectio
 memory is read off a short repeat (steady state is reached after a lifespan's worth of
 microbatches) before anything else is built, and only the ``family_budget`` family blocks
 closest under the limit are built in full: more memory buys fewer bubbles. Results are cached
-per ``Problem`` (p, m, costs, limit, memory model, ``shapes`` and the settings).
+per ``SearchRequest``: the model's ``Problem`` (model/problem.py: the V placement, m, costs,
+memory model, limit in units) with what only the search has, ``shapes`` and the settings.
 
 The constructions and the pruning are in constructions.py; the steps from the timed replay on,
 in improvements.py; the constants that size every step (``filled``, ``slot_spread``, ...) and
@@ -89,6 +90,7 @@ from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
 from ..model.placement import Layout, Placement
+from ..model.problem import Problem
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
 from .constructions import (InfeasibleMemoryError, below_v_half, continuous_blocks, family_blocks,
@@ -103,7 +105,7 @@ from .settings import SETTINGS, Settings
 from .critical_path_step import with_faster_tail
 
 __all__ = ["InfeasibleMemoryError", "SearchResult", "search", "frontier", "memory_limit_units",
-           "clear_cache", "Problem", "search_steps", "STEPS", "Step", "ALSO_TRY", "AlsoTry"]
+           "clear_cache", "SearchRequest", "search_steps", "STEPS", "Step", "ALSO_TRY", "AlsoTry"]
 
 _EPS = 1e-9
 
@@ -206,20 +208,27 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
     on the last rank)."""
     costs = costs or Costs.build(ranks)
     limit = float(min(ranks, microbatches) if limit is None else limit)
-    return _search_cached(Problem(ranks, microbatches, costs, limit, memory, shapes, settings))
+    _check_setting(ranks, microbatches)
+    problem = Problem(Placement(ranks, Layout.V), microbatches, costs, memory, limit)
+    return _search_cached(SearchRequest(problem, shapes, settings))
+
+
+def _check_setting(ranks: int, microbatches: int) -> None:
+    """Raises ``ScheduleError`` where ``ranks`` or ``microbatches`` cannot be searched."""
+    if not isinstance(ranks, int) or ranks < 2:
+        raise ScheduleError(f"ranks must be an integer >= 2, got {ranks!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
 
 
 @dataclass(frozen=True)
-class Problem:
-    """What one search is asked: the setting, the limit in units, the memory model, whether
-    the re-laid shapes and deferred W passes may be used (``search``'s ``shapes``) and the
-    tuning constants; also the search's cache key."""
+class SearchRequest:
+    """What one search is asked: the problem (model/problem.py: the V placement, the
+    microbatches, costs, memory model and the limit in units) and what only the search has,
+    whether the re-laid shapes and deferred W passes may be used (``search``'s ``shapes``) and
+    the tuning constants; also the search's cache key."""
 
-    ranks: int
-    microbatches: int
-    costs: Costs
-    limit: float
-    memory: MemoryModel
+    problem: Problem
     shapes: bool
     settings: Settings = SETTINGS
 
@@ -228,44 +237,45 @@ class Problem:
 class AlsoTry:
     """A step around the search under one model: when its gate holds, it adds answers, and
     the fastest of all answers is kept (ties: the first). Its gate and its step take what was
-    asked (a ``Problem`` here, a named build's ``Level`` in levels.py's table) and the answers
-    so far."""
+    asked (a ``SearchRequest`` here, a named build's ``Level`` in levels.py's table) and the
+    answers so far."""
 
     name: str
     when: Callable[[Any, list], bool]
     run: Callable[[Any, list], list]
 
 
-def _frees_at_b(problem: Problem, found: list) -> bool:
-    return freeing_nothing_at_b(problem.memory) is not None
+def _frees_at_b(request: SearchRequest, found: list) -> bool:
+    return freeing_nothing_at_b(request.problem.memory) is not None
 
 
-def _none_found(problem: Problem, found: list) -> bool:
+def _none_found(request: SearchRequest, found: list) -> bool:
     return not found
 
 
-def _refines(problem: Problem, found: list) -> bool:
-    return problem.shapes and _frees_at_b(problem, found)
+def _refines(request: SearchRequest, found: list) -> bool:
+    return request.shapes and _frees_at_b(request, found)
 
 
-def _freeing_nothing(problem: Problem, found: list) -> list:
+def _freeing_nothing(request: SearchRequest, found: list) -> list:
     """The search under the model where B frees nothing, re-timed under the problem's
     (freeing_at_b.py: what fits there fits here); nothing where nothing fits there."""
-    base = freeing_nothing_at_b(problem.memory)
+    problem = request.problem
+    base = dataclasses.replace(problem, memory=freeing_nothing_at_b(problem.memory))
     try:
-        other = _search_cached(dataclasses.replace(problem, memory=base))
+        other = _search_cached(dataclasses.replace(request, problem=base))
     except InfeasibleMemoryError:
         return []
     return [dataclasses.replace(other, result=simulate(other.schedule, problem.costs,
                                                        problem.memory))]
 
 
-def _under_the_model(problem: Problem, found: list) -> list:
-    return [search_steps(problem)]
+def _under_the_model(request: SearchRequest, found: list) -> list:
+    return [search_steps(request)]
 
 
-def _refined_first(problem: Problem, found: list) -> list:
-    return _refined(found[0], problem)
+def _refined_first(request: SearchRequest, found: list) -> list:
+    return _refined(found[0], request)
 
 
 ALSO_TRY = (
@@ -279,16 +289,16 @@ first, the search under the model itself only where nothing fits there (freeing_
 
 
 @functools.lru_cache(maxsize=256)
-def _search_cached(problem: Problem) -> SearchResult:
+def _search_cached(request: SearchRequest) -> SearchResult:
     """The fastest of the ``ALSO_TRY`` answers, with its cool-down re-scheduled critical path
     first where that is faster (``_with_tail``), last."""
     started = time.perf_counter()
     found: list[SearchResult] = []
     for also in ALSO_TRY:
-        if also.when(problem, found):
-            found.extend(also.run(problem, found))
+        if also.when(request, found):
+            found.extend(also.run(request, found))
     best = min(found, key=lambda r: round(r.result.makespan, 9))  # ties: the first
-    best = _with_tail(best, problem)
+    best = _with_tail(best, request)
     return dataclasses.replace(best, seconds=time.perf_counter() - started,
                                candidates=sum(r.candidates for r in found))
 
@@ -302,11 +312,12 @@ def _description(provenance: tuple[str, ...], limit: float) -> str:
     return f"auto: {describe(provenance)} (limit {limit:g} units)"
 
 
-def _with_tail(found: SearchResult, problem: Problem) -> SearchResult:
+def _with_tail(found: SearchResult, request: SearchRequest) -> SearchResult:
     """``found`` with its cool-down re-scheduled critical path first where that is faster
     (critical_path_step.py); left out with ``shapes=False``, like the other re-laid cool-downs."""
-    if not problem.shapes:
+    if not request.shapes:
         return found
+    problem = request.problem
     costs, limit, memory = problem.costs, problem.limit, problem.memory
     tailed = with_faster_tail(found.schedule, costs, memory, limit, found.result.makespan,
                               found.provenance)
@@ -318,17 +329,17 @@ def _with_tail(found: SearchResult, problem: Problem) -> SearchResult:
                                provenance=provenance)
 
 
-def _refined(result: SearchResult, problem: Problem) -> list[SearchResult]:
+def _refined(result: SearchResult, request: SearchRequest) -> list[SearchResult]:
     """``result`` refined under the problem's memory model (freeing_at_b.py) within its peak
     under the model where B frees nothing."""
-    costs, limit, memory, settings = problem.costs, problem.limit, problem.memory, problem.settings
+    problem, settings = request.problem, request.settings
+    costs, limit, memory = problem.costs, problem.limit, problem.memory
     schedule = result.schedule
-    chunks = schedule.placement.chunks
-    cap = min(limit, max(peak_memory(schedule, freeing_nothing_at_b(memory)))) * chunks
+    own = max(peak_memory(schedule, freeing_nothing_at_b(memory)))
     passes = sum(map(len, schedule.rank_actions))
-    budget = final_budget(schedule.placement.ranks, schedule.microbatches, settings)
+    budget = final_budget(problem.ranks, problem.microbatches, settings)
     out = []
-    for how, orders in refined_under(schedule, costs, memory, cap,
+    for how, orders in refined_under(problem.with_limit(min(limit, own)), schedule.rank_actions,
                                      capped(budget, passes, settings)):
         provenance = result.provenance + (how,)
         refined = schedule.with_actions(orders, description=_description(provenance, limit))
@@ -336,27 +347,23 @@ def _refined(result: SearchResult, problem: Problem) -> list[SearchResult]:
     return out
 
 
-def search_steps(problem: Problem) -> SearchResult:
+def search_steps(request: SearchRequest) -> SearchResult:
     """The search under the problem's memory model alone: the ``STEPS`` in order over one
     pool, the fastest candidate (no ``ALSO_TRY`` around it, no critical-path cool-down, not
     cached)."""
-    p, m, costs, limit, memory = (problem.ranks, problem.microbatches, problem.costs,
-                                  problem.limit, problem.memory)
-    if not isinstance(p, int) or p < 2:
-        raise ScheduleError(f"ranks must be an integer >= 2, got {p!r}")
-    if not isinstance(m, int) or m < 1:
-        raise ScheduleError(f"microbatches must be an integer >= 1, got {m!r}")
+    problem = request.problem
+    _check_setting(problem.ranks, problem.microbatches)
     started = time.perf_counter()
-    pool = Pool(Placement(p, Layout.V), m, costs, limit, memory, problem.shapes,
-                problem.settings)
+    pool = Pool(problem, request.shapes, request.settings)
     for step in STEPS:
         if step.when(pool):
             step.run(pool)
     winner = pool.fastest()
-    schedule = Schedule("auto", pool.placement, m, winner.orders, memory_bound=limit,
-                        description=_description(winner.provenance, limit))
-    return SearchResult(schedule, simulate(schedule, costs, memory), time.perf_counter() - started,
-                        len(pool.candidates), winner.provenance)
+    limit = problem.limit
+    schedule = Schedule("auto", problem.placement, problem.microbatches, winner.orders,
+                        memory_bound=limit, description=_description(winner.provenance, limit))
+    return SearchResult(schedule, simulate(schedule, problem.costs, problem.memory),
+                        time.perf_counter() - started, len(pool.candidates), winner.provenance)
 
 
 @collector_paused

@@ -19,6 +19,7 @@ from ..construct.wave import wave_schedule
 from ..model.actions import PassKind, ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.placement import Layout, Placement
+from ..model.problem import Problem
 from ..model.schedule import Schedule
 from ..model.simulate import peak_memory
 from .pool import Pool
@@ -49,7 +50,8 @@ def fixed_blocks(pool: Pool) -> None:
     """V-Min, V-Half and V-ZB as the paper builds them, V-Min and V-Half also slot-reordered;
     a block that surely exceeds the limit is not built (``fixed_block_over``), nor one whose
     next larger block surely fits (``_outgrown``)."""
-    p, m, limit, memory = pool.placement.ranks, pool.microbatches, pool.limit, pool.memory
+    problem = pool.problem
+    p, m, limit, memory = problem.ranks, problem.microbatches, problem.limit, problem.memory
     for family in _FIXED:
         if fixed_block_over(family, p, m, limit, memory):  # its peak is known: skip the build
             pool.smallest.append((family.memory_bound(p), f"{family.name} block"))
@@ -65,8 +67,8 @@ def fixed_blocks(pool: Pool) -> None:
 def tries_wave(pool: Pool) -> bool:
     """Whether the wave is a construction (``wave_cheap_passes``); else it is only the
     fallback where nothing else fits."""
-    p = pool.placement.ranks
-    return pool.limit >= p - _EPS or 6 * p * pool.microbatches <= pool.settings.wave_cheap_passes
+    p, m = pool.problem.ranks, pool.problem.microbatches
+    return pool.problem.limit >= p - _EPS or 6 * p * m <= pool.settings.wave_cheap_passes
 
 
 def wave(pool: Pool) -> None:
@@ -77,25 +79,25 @@ def wave(pool: Pool) -> None:
 def family_blocks(pool: Pool) -> None:
     """The ``family_budget`` V family blocks closest under the limit (``_family_within``);
     those skipped unprobed go to ``pool.skipped`` (the error message's)."""
-    p, m = pool.placement.ranks, pool.microbatches
-    for offsets, block in _family_within(p, m, pool.limit, pool.memory, pool.smallest,
+    problem = pool.problem
+    p, m, limit = problem.ranks, problem.microbatches, problem.limit
+    for offsets, block in _family_within(p, m, limit, problem.memory, pool.smallest,
                                          pool.skipped, pool.settings.family_budget):
-        block = dataclasses.replace(block, memory_bound=pool.limit)
+        block = dataclasses.replace(block, memory_bound=limit)
         pool.consider((f"V family block, {offsets.describe()}",),
                       functools.partial(compose, block, m))
 
 
 def below_v_half(pool: Pool) -> bool:
     """Whether V-Half's block does not surely fit (``_outgrown``): the continuous blocks' room."""
-    return not _outgrown(V_MIN, pool.placement.ranks, pool.limit)
+    return not _outgrown(V_MIN, pool.problem.ranks, pool.problem.limit)
 
 
 def continuous_blocks(pool: Pool) -> None:
     """periodic.py's cost-aware blocks at the ``period_scales`` periods."""
-    p, m = pool.placement.ranks, pool.microbatches
     for scale in pool.settings.period_scales:
         pool.consider((f"continuous-offset block, period x{scale:g}",),
-                      functools.partial(_periodic, p, m, pool.costs, scale))
+                      functools.partial(_periodic, pool.problem, scale))
 
 
 def none_fits(pool: Pool) -> None:
@@ -104,19 +106,20 @@ def none_fits(pool: Pool) -> None:
 
 def wave_orders(pool: Pool) -> tuple:
     """The V-ZB wave's orders under the pool's limit (wave.py)."""
-    return _wave(pool.placement.ranks, pool.microbatches, pool.costs, pool.limit, pool.memory)
+    problem = pool.problem
+    return _wave(problem.ranks, problem.microbatches, problem.costs, problem.limit, problem.memory)
 
 
 def infeasible(pool: Pool) -> InfeasibleMemoryError:
     """The error when nothing fits: the smallest peak of anything built, of the family blocks
     skipped unprobed and of the wave at the least it can keep."""
-    p, m = pool.placement.ranks, pool.microbatches
-    pool.smallest.extend((probe_peak(block, m, pool.memory),
-                          f"V family block, {offsets.describe()}")
+    problem = pool.problem
+    p, m, memory = problem.ranks, problem.microbatches, problem.memory
+    pool.smallest.extend((probe_peak(block, m, memory), f"V family block, {offsets.describe()}")
                          for offsets, block in pool.skipped)
-    pool.smallest.extend(_least_wave(p, m, pool.costs, pool.memory))
+    pool.smallest.extend(_least_wave(p, m, problem.costs, memory))
     peak, description = min(pool.smallest)
-    return InfeasibleMemoryError(pool.limit, peak, description)
+    return InfeasibleMemoryError(problem.limit, peak, description)
 
 
 def _named(name: str, p: int, m: int) -> tuple:
@@ -158,8 +161,8 @@ def _least_wave(p: int, m: int, costs: Costs, memory: MemoryModel) -> list:
     return [(peak, "V-ZB wave, cost-aware")]
 
 
-def _periodic(p: int, m: int, costs: Costs, scale: float) -> tuple:
-    return periodic_orders(periodic_block(p, costs, scale), m)
+def _periodic(problem: Problem, scale: float) -> tuple:
+    return periodic_orders(periodic_block(problem, scale), problem.microbatches)
 
 
 def _family_within(p: int, m: int, limit: float, memory: MemoryModel, smallest: list,

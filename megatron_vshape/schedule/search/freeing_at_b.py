@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from ..rewrite.weight_deferral import defer_weight_passes
 from ..model.actions import ScheduleError
-from ..model.costs import Costs, MemoryModel
-from ..model.schedule import Schedule
+from ..model.costs import MemoryModel
+from ..model.problem import Problem
 from .local import improve
 
 __all__ = ["freeing_nothing_at_b", "refined_under"]
@@ -47,16 +47,16 @@ def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
     return MemoryModel(memory.forward, 0.0, -memory.forward)
 
 
-def refined_under(schedule: Schedule, costs: Costs, memory: MemoryModel, cap: float,
-                  budget: int) -> list[tuple[str, tuple]]:
-    """(what was done, orders) for ``schedule`` with its W passes deferred under ``memory``
-    within ``cap`` chunk-activations, and that polished under ``memory`` with ``budget``
-    passes (local.py); an empty list when the deferral does not apply (fused BW passes)."""
-    placement, m = schedule.placement, schedule.microbatches
+def refined_under(problem: Problem, orders, budget: int) -> list[tuple[str, tuple]]:
+    """(what was done, orders) for ``orders`` with their W passes deferred under the problem's
+    memory model within its limit (the caller's: the candidate's peak where B frees nothing),
+    and that polished with ``budget`` passes (local.py); an empty list when the deferral does
+    not apply (fused BW passes)."""
+    placement, costs, cap, memory = problem.placement, problem.costs, problem.cap, problem.memory
     try:
-        deferred = defer_weight_passes(schedule.rank_actions, placement, costs, cap, memory)
+        deferred = defer_weight_passes(orders, placement, costs, cap, memory)
     except ScheduleError:
         return []
-    polished = improve(placement, m, deferred, costs, cap, memory, budget).orders
+    polished = improve(problem, deferred, budget).orders
     return [("W deferred under the model", deferred),
             ("W deferred and polished under the model", polished)]

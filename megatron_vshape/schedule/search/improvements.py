@@ -17,7 +17,7 @@ from ..rewrite.gap_fill import fill_gaps
 from ..rewrite.reshape_ends import reshape_cool_down, reshape_warm_up
 from ..rewrite.replay import replay_in_time
 from ..rewrite.weight_deferral import defer_weight_passes
-from ..model.placement import Placement
+from ..model.problem import Problem
 from .local import Improved, improve, improve_repeated
 from .settings import Settings
 from .pool import Candidate, Pool, candidate_key, fastest_distinct, fresh
@@ -30,7 +30,7 @@ _EPS = 1e-9
 
 def _large(pool: Pool) -> bool:
     """Whether the schedule has over ``large_passes`` passes: fewer replays and re-lays."""
-    return 6 * pool.placement.ranks * pool.microbatches > pool.settings.large_passes
+    return 6 * pool.problem.ranks * pool.problem.microbatches > pool.settings.large_passes
 
 
 def replays(pool: Pool) -> None:
@@ -39,7 +39,7 @@ def replays(pool: Pool) -> None:
     A base whose orders an earlier base has too (the V-Min block and the family block of
     offsets 1 at p = 16) is not replayed again: its replay would be a copy of that one's,
     later in the pool, so never the first of its orders anywhere (ties go to the earlier)."""
-    s = pool.settings
+    s, problem = pool.settings, pool.problem
     counts = (s.replays_large, s.extra_peaks_large) if _large(pool) else (s.replays, s.extra_peaks)
     replayed = set()
     for base, slacks in _replay_bases(pool.candidates, *counts, s.replay_slack):
@@ -49,9 +49,9 @@ def replays(pool: Pool) -> None:
                     continue
                 replayed.add((base.orders, window, slack))
                 pool.consider(base.provenance + (f"replayed in time (window {window})",),
-                              functools.partial(replay_in_time, base.orders, pool.placement,
-                                                pool.costs, pool.cap + slack, pool.memory,
-                                                window, abandon_above=pool.cap))
+                              functools.partial(replay_in_time, base.orders, problem.placement,
+                                                problem.costs, problem.cap + slack, problem.memory,
+                                                window, abandon_above=problem.cap))
 
 
 def relays(pool: Pool) -> None:
@@ -63,7 +63,7 @@ def relays(pool: Pool) -> None:
     bases = fastest_distinct(pool.candidates, s.relaid_large if large else s.relaid)
     starts = bases + fastest_distinct(finished, len(finished))
     for base in fresh(starts, pool.reshaped, pool.shapes):
-        _reshape_ends(pool, base, int(base.peak * pool.placement.chunks + _EPS))
+        _reshape_ends(pool, base, pool.problem.with_limit(base.peak).full)
 
 
 def polishes(pool: Pool) -> None:
@@ -78,7 +78,7 @@ def relay_winner(pool: Pool) -> None:
     cool-down alone too."""
     winner = pool.fastest()
     for base in fresh([winner], pool.reshaped, pool.shapes and not _relaid(winner)):
-        _reshape_ends(pool, base, pool.full, cool_down_alone=True)
+        _reshape_ends(pool, base, pool.problem.full, cool_down_alone=True)
 
 
 def polish_winner(pool: Pool) -> None:
@@ -112,16 +112,17 @@ def _relaid(candidate: Candidate) -> bool:
 
 def repeats(pool: Pool) -> bool:
     """Whether the search ends with the moves repeated per microbatch (``repeated_passes``)."""
-    p = pool.placement.ranks
-    return (pool.limit <= V_MIN.memory_bound(p) + _EPS
-            and 6 * p * pool.microbatches <= pool.settings.repeated_passes)
+    problem = pool.problem
+    return (problem.limit <= V_MIN.memory_bound(problem.ranks) + _EPS
+            and 6 * problem.ranks * problem.microbatches <= pool.settings.repeated_passes)
 
 
 def _deferred(pool: Pool, base: Candidate) -> None:
     """``base`` with its W passes deferred within its own peak (weight_deferral.py), a candidate."""
     pool.consider(base.provenance + ("W deferred",),
-                  functools.partial(defer_weight_passes, base.orders, pool.placement, pool.costs,
-                                    base.peak * pool.placement.chunks, pool.memory),
+                  functools.partial(defer_weight_passes, base.orders, pool.problem.placement,
+                                    pool.problem.costs, pool.problem.with_limit(base.peak).cap,
+                                    pool.problem.memory),
                   replayable=False)
 
 
@@ -136,7 +137,7 @@ def _fill_fastest(pool: Pool, count: int) -> None:
     before = len(pool.candidates)
     for base in fastest_distinct(pool.candidates, count):
         pool.consider(base.provenance + ("gaps filled",),
-                      functools.partial(fill_gaps, pool.placement, base.orders, pool.memory),
+                      functools.partial(fill_gaps, pool.problem, base.orders),
                       replayable=False)
     for base in fastest_distinct(pool.candidates[before:], 1):
         _deferred(pool, base)
@@ -146,10 +147,11 @@ def fills_gaps(pool: Pool) -> bool:
     """Whether the search fills unit-slot bubbles (``gaps_filled``): not with ``shapes=False``,
     and only where F, B and W take about as long as each other, not at 1F1B's memory, or where
     the schedule is small (``slot_spread``, ``gaps_cheap_passes``)."""
-    costs, p, s = pool.costs, pool.placement.ranks, pool.settings
-    if 6 * p * pool.microbatches <= s.gaps_cheap_passes:
+    problem, s = pool.problem, pool.settings
+    costs, p = problem.costs, problem.ranks
+    if 6 * p * problem.microbatches <= s.gaps_cheap_passes:
         return pool.shapes
-    return pool.shapes and abs(pool.limit - p) > _EPS and all(
+    return pool.shapes and abs(problem.limit - p) > _EPS and all(
         max(f, b, w) <= s.slot_spread * min(f, b, w)
         for f, b, w in zip(costs.forward, costs.backward, costs.weight))
 
@@ -185,16 +187,14 @@ def _replay_bases(pool: list[Candidate], count: int, extra: int,
 def _polish(pool: Pool, orders, budget: int) -> Improved:
     """``orders`` improved by the local search within the limit (local.py)."""
     passes = sum(len(order) for order in orders)
-    return improve(pool.placement, pool.microbatches, orders, pool.costs, pool.cap, pool.memory,
-                   capped(budget, passes, pool.settings))
+    return improve(pool.problem, orders, capped(budget, passes, pool.settings))
 
 
 def _repeated(pool: Pool, orders) -> Improved:
     """``orders`` improved by moves repeated per microbatch (local.py), budgeted as ``_polish``."""
     budget = capped(pool.settings.repeated_budget, sum(len(order) for order in orders),
                     pool.settings)
-    return improve_repeated(pool.placement, pool.microbatches, orders, pool.costs, pool.cap,
-                            pool.memory, budget)
+    return improve_repeated(pool.problem, orders, budget)
 
 
 def final_budget(p: int, m: int, s: Settings) -> int:
@@ -210,28 +210,29 @@ def capped(budget: int, passes: int, s: Settings) -> int:
 
 def _polish_further(pool: Pool, base: Candidate) -> None:
     """The last polish, with the larger budget (``final_budget``), as a candidate."""
-    budget = final_budget(pool.placement.ranks, pool.microbatches, pool.settings)
+    budget = final_budget(pool.problem.ranks, pool.problem.microbatches, pool.settings)
     pool.consider(base.provenance + ("polished further",),
                   functools.partial(_polish, pool, base.orders, budget))
 
 
 def _reshape_ends(pool: Pool, base: Candidate, own: int, cool_down_alone: bool = False) -> None:
     """Candidates from ``base`` re-laid (reshape_ends.py): its warm-up at the limit's peak
-    (``pool.full``) and at its ``own`` (chunk-activations), warm-up and cool-down at the
-    limit's, and, for the winner of the replays, the cool-down alone."""
-    full, placement = pool.full, pool.placement
+    (the problem's ``full``) and at its ``own`` (whole chunk-activations), warm-up and
+    cool-down at the limit's, and, for the winner of the replays, the cool-down alone."""
+    problem = pool.problem
+    full = problem.full
     for peak in sorted({full, own}):
         pool.consider(base.provenance + (f"warm-up re-laid (peak {peak})",),
-                      functools.partial(reshape_warm_up, placement, base.orders, peak),
+                      functools.partial(reshape_warm_up, problem.with_cap(peak), base.orders),
                       replayable=False)
     pool.consider(base.provenance + (f"warm-up and cool-down re-laid (peak {full})",),
-                  functools.partial(_reshape_both, placement, base.orders, full), replayable=False)
+                  functools.partial(_reshape_both, problem, base.orders), replayable=False)
     if cool_down_alone:
         pool.consider(base.provenance + (f"cool-down re-laid (peak {full})",),
-                      functools.partial(reshape_cool_down, placement, base.orders, full),
+                      functools.partial(reshape_cool_down, problem, base.orders),
                       replayable=False)
 
 
-def _reshape_both(placement: Placement, orders, peak: int) -> tuple:
+def _reshape_both(problem: Problem, orders) -> tuple:
     """The warm-up re-laid, then the cool-down (the order of the paper code's steps)."""
-    return reshape_cool_down(placement, reshape_warm_up(placement, orders, peak), peak)
+    return reshape_cool_down(problem, reshape_warm_up(problem, orders))

@@ -14,7 +14,7 @@ kept where that is faster (at p = 16 it is: v-min at m = 64 and the H100 costs 6
 where the paper's order, or under a model that frees at B the default model's answer, is faster than
 the search's, that one gets the same step here. Those three answers are the rows of this module's
 ``ALSO_TRY`` table over one ``Level`` (the name, the setting, the memory model), as the search's
-own are of adaptive.py's over one ``Problem``.
+own are of adaptive.py's over one ``SearchRequest``.
 
 Levels are in units of one microbatch's activations of a rank's layer share, under the
 default memory model; under another model (B freeing part of a chunk) the same number of units

@@ -9,10 +9,11 @@ does, starting from any valid order:
                path (from the last pass back, each pass's binding predecessor) come first
     moves      fill the gap with a later pass of the same rank that is ready sooner, or move
                the awaited pass earlier on its own rank (within ``window`` positions)
-    accept     the first move that keeps every rank within ``cap`` chunk-activations, does not
-               deadlock (most moves at V-Min's memory would: checked before they are timed,
-               ``LocalSearch.deadlocks``), and improves (makespan, sum of the ranks' finish
-               times, sum of all ends): the two tie-breakers let it cross the plateaus
+    accept     the first move that keeps every rank within the problem's limit (its ``cap``
+               in chunk-activations: model/problem.py), does not deadlock (most moves at
+               V-Min's memory would: checked before they are timed, ``LocalSearch.deadlocks``),
+               and improves (makespan, sum of the ranks' finish times, sum of all ends): the
+               two tie-breakers let it cross the plateaus
 
 A move never reorders two forwards (or two backwards) of one stage, so microbatches stay in
 order per stage and the result lowers to matching sends and receives. The work is bounded by
@@ -35,9 +36,8 @@ import random
 from dataclasses import dataclass
 
 from ..model.actions import Action, PassKind, ScheduleError
-from ..model.costs import Costs, MemoryModel
 from ..model.indexed import Dataflow, PassIndex, gather
-from ..model.placement import Placement
+from ..model.problem import Problem
 from ..model.simulate import pass_durations
 
 __all__ = ["Improved", "improve", "improve_repeated", "LocalSearch", "DEADLOCK_PROBE"]
@@ -82,13 +82,13 @@ class LocalSearch:
     timing and the move loop. A move re-times only what starts at or after the first pass it
     touches, and the budget counts the passes re-timed (plus ``overhead`` per move)."""
 
-    def __init__(self, placement: Placement, m: int, orders, costs: Costs, cap: float,
-                 memory: MemoryModel, window: int):
-        self.cap, self.window = cap, window
-        index = self.index = PassIndex.of(placement, m)
+    def __init__(self, problem: Problem, orders, window: int):
+        self.cap, self.window = problem.cap, window
+        placement, costs = problem.placement, problem.costs
+        index = self.index = PassIndex.of(placement, problem.microbatches)
         self.flow = Dataflow(index, index.durations(pass_durations(placement, costs)),
                              costs.comm)
-        deltas = memory.deltas
+        deltas = problem.memory.deltas
         self.delta = [deltas[a.kind] for a in index.actions]
         stages = placement.num_stages
         self.group = [-1 if a.kind is W else _KINDS.index(a.kind) * stages + a.stage
@@ -352,21 +352,19 @@ class LocalSearch:
         return accepted
 
 
-def improve(placement: Placement, microbatches: int, orders, costs: Costs, cap: float,
-            memory: MemoryModel = MemoryModel(), budget: int = 200_000,
-            window: int = _WINDOW, kicks: int = _KICKS) -> Improved:
-    """Orders at least as fast as ``orders`` (module doc), every rank within ``cap``
-    chunk-activations (the input orders must be within it too)."""
-    search = _started(placement, microbatches, orders, costs, cap, memory, window)
+def improve(problem: Problem, orders, budget: int = 200_000, window: int = _WINDOW,
+            kicks: int = _KICKS) -> Improved:
+    """Orders at least as fast as ``orders`` (module doc), every rank within the problem's
+    limit (the input orders must be within it too)."""
+    search = _started(problem, orders, window)
     scarce = budget < _MANY_TIMINGS * sum(map(len, search.orders))
     moves = search.run(budget, kicks, critical_first=scarce)
     score = search.score
     return Improved(search.index.decode(search.orders), score[0], moves)
 
 
-def improve_repeated(placement: Placement, microbatches: int, orders, costs: Costs, cap: float,
-                     memory: MemoryModel = MemoryModel(), budget: int = 1_000_000,
-                     periods: tuple = (1,), polish: int = 300_000) -> Improved:
+def improve_repeated(problem: Problem, orders, budget: int = 1_000_000, periods: tuple = (1,),
+                     polish: int = 300_000) -> Improved:
     """Orders at least as fast as ``orders``, from rounds of: per period, a descent with moves
     repeated in every period (module doc), then :func:`improve` with ``polish`` passes; until
     a round after the first gains nothing or ``budget`` passes are spent (each polish counted
@@ -380,19 +378,18 @@ def improve_repeated(placement: Placement, microbatches: int, orders, costs: Cos
     1F1B, where the same 1,000,000 passes of :func:`improve` alone reach 1.292 (3,000,000:
     1.279). Periods 1-4 instead of 1 reached the same there and at p = 4, m = 16, in more
     time."""
-    search = _started(placement, microbatches, orders, costs, cap, memory, _WINDOW)
+    search = _started(problem, orders, _WINDOW)
     best = Improved(search.index.decode(search.orders), search.score[0], 0)
     polish = min(polish, budget)  # a small schedule's budget is small (improvements.capped)
     spent = moves = rounds = 0
     while spent < budget:
         start = best.makespan
         for period in periods:
-            search = LocalSearch(placement, microbatches, best.orders, costs, cap, memory, _WINDOW)
+            search = LocalSearch(problem, best.orders, _WINDOW)
             search.critical_first = False
             moves += search.descend(budget - spent, period)
             spent += search.timed + polish
-            polished = improve(placement, microbatches, search.index.decode(search.orders),
-                               costs, cap, memory, polish)
+            polished = improve(problem, search.index.decode(search.orders), polish)
             moves += polished.moves
             if polished.makespan <= best.makespan:
                 best = Improved(polished.orders, polished.makespan, moves)
@@ -402,12 +399,12 @@ def improve_repeated(placement: Placement, microbatches: int, orders, costs: Cos
     return best
 
 
-def _started(placement: Placement, microbatches: int, orders, costs: Costs, cap: float,
-             memory: MemoryModel, window: int) -> LocalSearch:
-    """A search from ``orders``, which must run and fit ``cap``."""
-    search = LocalSearch(placement, microbatches, orders, costs, cap, memory, window)
+def _started(problem: Problem, orders, window: int) -> LocalSearch:
+    """A search from ``orders``, which must run and fit the problem's limit."""
+    search = LocalSearch(problem, orders, window)
     if search.score is None:
         raise ScheduleError("local search: the starting orders deadlock")
     if any(not search._fits(o) for o in search.orders):
-        raise ScheduleError(f"local search: the starting orders exceed {cap:g} chunk-activations")
+        raise ScheduleError(f"local search: the starting orders exceed {problem.cap:g} "
+                            "chunk-activations")
     return search

@@ -15,8 +15,7 @@ from typing import Callable
 
 from ..rewrite.replay import Replay
 from ..model.actions import ScheduleError
-from ..model.costs import Costs, MemoryModel
-from ..model.placement import Placement
+from ..model.problem import Problem
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of, peak_memory
 from .local import Improved
@@ -53,15 +52,15 @@ class Candidate:
 
 @dataclass
 class Pool:
-    """The candidates of one search and what its steps share: the setting, the peak of every
+    """The candidates of one search and what its steps share: the problem, the peak of every
     order built (for the error when none fits) and the orders re-laid."""
 
-    placement: Placement
-    microbatches: int
-    costs: Costs
-    limit: float
-    memory: MemoryModel
+    problem: Problem
+    """The setting and the limit every step keeps to (model/problem.py: ``cap`` and ``full``
+    are the limit in chunk-activations)."""
     shapes: bool
+    """Whether the re-laid shapes and deferred W passes may be used (adaptive.py's
+    ``search``)."""
     settings: Settings
     """The tuning constants every step reads (settings.py)."""
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
@@ -78,16 +77,6 @@ class Pool:
     of the wave; 4-12 of about 30 candidates per search at p = 16, m = 64), and a timing
     takes 1.3 ms there."""
 
-    @property
-    def cap(self) -> float:
-        """The limit in chunk-activations (what the local search and the replays keep to)."""
-        return self.limit * self.placement.chunks
-
-    @property
-    def full(self) -> int:
-        """The limit in whole chunk-activations: the peak the re-lays lay out to."""
-        return int(self.cap + _EPS)
-
     def consider(self, provenance: tuple[str, ...], build: Callable[[], tuple | Replay | Improved],
                  replayable: bool = True) -> None:
         """Builds a candidate and keeps it when it fits the limit and its orders run; a
@@ -102,7 +91,7 @@ class Pool:
         orders = built.orders if timed else built
         peak = self._peak(orders)
         self.smallest.append((peak, describe(provenance)))
-        if peak > self.limit + _EPS:
+        if peak > self.problem.limit + _EPS:
             return
         makespan = built.makespan if timed else self._makespan(orders)
         if makespan is None:  # a re-laid warm-up can deadlock across ranks
@@ -113,17 +102,20 @@ class Pool:
     def _peak(self, orders) -> float:
         """The peak of ``orders`` in units, once per distinct orders (``peaks``)."""
         if orders not in self.peaks:
-            schedule = Schedule("auto", self.placement, self.microbatches, orders)
-            self.peaks[orders] = max(peak_memory(schedule, self.memory))
+            problem = self.problem
+            schedule = Schedule("auto", problem.placement, problem.microbatches, orders)
+            self.peaks[orders] = max(peak_memory(schedule, problem.memory))
         return self.peaks[orders]
 
     def _makespan(self, orders) -> float | None:
         """The makespan of ``orders`` (None: they deadlock), once per distinct orders
         (``makespans``)."""
         if orders not in self.makespans:
+            problem = self.problem
             try:
                 self.makespans[orders] = makespan_of(
-                    Schedule("auto", self.placement, self.microbatches, orders), self.costs)
+                    Schedule("auto", problem.placement, problem.microbatches, orders),
+                    problem.costs)
             except ScheduleError:
                 self.makespans[orders] = None
         return self.makespans[orders]
