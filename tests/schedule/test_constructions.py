@@ -12,6 +12,7 @@ from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Sch
 from megatron_vshape.schedule.construct.blocks import V_HALF, V_MIN, V_ZB
 from megatron_vshape.schedule.construct.slot_reorder import slot_reorder
 from megatron_vshape.schedule.construct.wave import wave_schedule
+from megatron_vshape.schedule.model.problem import Problem
 
 
 def _schedule(p, m, orders):
@@ -54,7 +55,7 @@ def test_wave_is_valid_within_its_cap_and_times_itself_as_the_simulator(p, m, un
     memory = MemoryModel(1, -0.75, -0.25) if frees else MemoryModel()
     c = Costs.build(p, *costs)
     try:
-        wave = wave_schedule(p, m, c, 2 * units, memory)
+        wave = wave_schedule(Problem(Placement(p, Layout.V), m, c, memory, units))
     except ScheduleError as err:
         assert "wave" in str(err)  # a cap too small for the construction is refused, by name
         return
@@ -73,5 +74,10 @@ def test_wave_is_valid_within_its_cap_and_times_itself_as_the_simulator(p, m, un
 ])
 def test_wave_reaches_the_reference_v_zb(p, m, costs, ref_bubble):
     c = Costs.build(p, *costs)
-    wave = wave_schedule(p, m, c, 2 * V_ZB.memory_bound(p))
+    wave = wave_schedule(Problem(Placement(p, Layout.V), m, c, limit=V_ZB.memory_bound(p)))
     assert simulate(_schedule(p, m, wave.orders), c).bubble_rate <= ref_bubble + 1e-4
+
+
+def test_wave_refuses_a_placement_other_than_the_v():
+    with pytest.raises(ScheduleError, match="the V's, not single's"):
+        wave_schedule(Problem(Placement(4, Layout.SINGLE), 8, Costs.build(4), limit=4))

@@ -100,7 +100,8 @@ def test_critical_tail_is_the_rule_of_its_doc_and_a_valid_schedule(p, m_factor, 
     paper = build_schedule(name, p, m_factor * p, variant="paper")
     costs, memory = Costs.build(p, *ratios), MemoryModel(1, -frees, frees - 1)
     cap = paper.memory_bound * paper.placement.chunks
-    orders = critical_tail(paper.rank_actions, paper.placement, costs, cap, memory, line)
+    setting = Problem(paper.placement, paper.microbatches, costs, memory, paper.memory_bound)
+    orders = critical_tail(setting, paper.rank_actions, line)
     assert orders == _reference(paper, costs, memory, cap, line)
     tailed = paper.with_actions(orders)
     validate(tailed, paper.memory_bound, memory)
@@ -135,17 +136,20 @@ def test_critical_tail_shortens_v_mins_cool_down_at_p16_h100_costs():
     problem = Problem(Placement(p, Layout.V), m, costs, limit=6.0)
     found = search_steps(SearchRequest(problem, shapes=True)).schedule
     before = simulate(found, costs).makespan
-    after = simulate(found.with_actions(critical_tail(
-        found.rank_actions, found.placement, costs, 12.0)), costs).makespan
+    setting = Problem(found.placement, m, costs, MemoryModel(), 6.0)
+    after = simulate(found.with_actions(critical_tail(setting, found.rank_actions)),
+                     costs).makespan
     assert after < before - 2.0
 
 
 def test_critical_tail_refuses_fused_passes_an_unknown_line_and_a_cap_nothing_fits():
     fused = build_schedule("1f1b", 2, 2)  # one chunk, BW passes
     with pytest.raises(ScheduleError, match="fused BW"):
-        critical_tail(fused.rank_actions, fused.placement, Costs.build(2), 2.0)
+        critical_tail(Problem(fused.placement, 2, Costs.build(2), limit=2.0),
+                      fused.rank_actions)
     paper = build_schedule("v-half", 4, 8, variant="paper")
+    setting = Problem(paper.placement, 8, Costs.build(4))
     with pytest.raises(ScheduleError, match="line 'last' is not one of own, first, middle"):
-        critical_tail(paper.rank_actions, paper.placement, Costs.build(4), 6.0, line="last")
+        critical_tail(setting.with_cap(6.0), paper.rank_actions, line="last")
     with pytest.raises(ScheduleError, match="no rank can run its next pass"):
-        critical_tail(paper.rank_actions, paper.placement, Costs.build(4), 0.5)
+        critical_tail(setting.with_cap(0.5), paper.rank_actions)

@@ -47,9 +47,9 @@ def test_a_slower_tail_is_not_kept():
     search keeps its order."""
     p, m = 4, 8
     costs = parse_costs(H100, p)
-    plain = search_steps(SearchRequest(Problem(Placement(p, Layout.V), m, costs, limit=4.0),
-                                       shapes=True))
-    assert faster_tail(plain.schedule, costs, MemoryModel(), 4.0, plain.result.makespan) is None
+    problem = Problem(Placement(p, Layout.V), m, costs, limit=4.0)
+    plain = search_steps(SearchRequest(problem, shapes=True))
+    assert faster_tail(problem, plain.schedule, plain.result.makespan) is None
     assert search(p, m, costs, 4.0).schedule.rank_actions == plain.schedule.rank_actions
 
 
@@ -70,11 +70,11 @@ def test_a_deadlocking_tail_is_passed_over():
     plain = search_steps(SearchRequest(Problem(Placement(p, Layout.V), m, costs, limit=limit),
                                        shapes=True))
     orders, placement = plain.schedule.rank_actions, plain.schedule.placement
-    assert critical_tails(orders, placement, costs, limit * 2, MemoryModel(), ("own",)) == {}
+    setting = Problem(placement, m, costs, MemoryModel(), limit)
+    assert critical_tails(setting, orders, ("own",)) == {}
     with pytest.raises(ScheduleError, match="deadlock"):
-        critical_tail(orders, placement, costs, limit * 2, MemoryModel(), "own")
-    assert faster_tail(plain.schedule, costs, MemoryModel(), limit,
-                       plain.result.makespan) is None
+        critical_tail(setting, orders, "own")
+    assert faster_tail(setting, plain.schedule, plain.result.makespan) is None
     clear_caches()
     found = search(p, m, costs, limit)
     validate(found.schedule, limit)

@@ -201,12 +201,12 @@ def test_greedy_one_chunk_orders_are_valid_and_refuse_an_impossible_limit():
     placement = Placement(p, Layout.SINGLE)
     c = Costs.build(p, 1, 1.39, 0.35, 0.05)
     for policy in (Policy(), Policy(ranked_warm_up=True, alternate=True)):
-        found = greedy_schedule(placement, m, c, p, B_FREES, policy)
+        found = greedy_schedule(Problem(placement, m, c, B_FREES, p), policy)
         schedule = Schedule("g", placement, m, found.orders)
         validate(schedule, memory_limit=p, memory=B_FREES)
         assert simulate(schedule, c, B_FREES).makespan <= found.makespan + 1e-9
     with pytest.raises(ScheduleError, match="cannot hold one microbatch"):
-        greedy_schedule(placement, m, c, 0.5)
+        greedy_schedule(Problem(placement, m, c, limit=0.5))
 
 
 @pytest.mark.parametrize("memory", [MemoryModel(), B_FREES], ids=["default", "b-frees"])

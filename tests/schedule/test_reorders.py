@@ -141,6 +141,7 @@ def test_continuous_block_at_uniform_costs_is_v_min(p):
        costs=st.tuples(*[st.floats(0.2, 3)] * 3, st.floats(0, 0.5)))
 def test_timed_replay_is_valid_keeps_the_cap_and_times_like_the_simulator(p, m_factor, window, costs):
     from megatron_vshape.schedule import Costs, ScheduleError, build_schedule
+    from megatron_vshape.schedule.model.problem import Problem
     from megatron_vshape.schedule.rewrite.replay import replay_in_time
 
     m = max(1, round(m_factor * p))
@@ -148,7 +149,8 @@ def test_timed_replay_is_valid_keeps_the_cap_and_times_like_the_simulator(p, m_f
     c = Costs.build(p, *costs[:3], comm=costs[3])
     cap = 2 * base.memory_bound
     try:
-        replay = replay_in_time(base.rank_actions, base.placement, c, cap, window=window)
+        replay = replay_in_time(Problem(base.placement, m, c).with_cap(cap), base.rank_actions,
+                                window=window)
     except ScheduleError:
         assert window > 1  # a strict replay of a fitting order never gets stuck
         return
@@ -170,6 +172,7 @@ def test_a_replay_is_abandoned_exactly_when_its_peak_would_pass_the_mark(p, m_fa
     ``abandon_above`` raises exactly when the full replay's peak passes the mark, and
     otherwise changes nothing."""
     from megatron_vshape.schedule import Costs, MemoryModel, build_schedule
+    from megatron_vshape.schedule.model.problem import Problem
     from megatron_vshape.schedule.rewrite.replay import replay_in_time
 
     m = max(1, round(m_factor * p))
@@ -177,14 +180,14 @@ def test_a_replay_is_abandoned_exactly_when_its_peak_would_pass_the_mark(p, m_fa
     base = build_schedule("v-min", p, m)
     c = Costs.build(p, *costs[:3], comm=costs[3])
     mark = 2 * base.memory_bound
+    problem = Problem(base.placement, m, c, memory).with_cap(mark + slack)
     try:
-        full = replay_in_time(base.rank_actions, base.placement, c, mark + slack, memory, 4)
+        full = replay_in_time(problem, base.rank_actions, 4)
     except ScheduleError:
         return  # stuck either way: nothing to compare
     over = max(peak_memory(base.with_actions(full.orders), memory)) * 2 > mark + 1e-6
     try:
-        cut = replay_in_time(base.rank_actions, base.placement, c, mark + slack, memory, 4,
-                             abandon_above=mark)
+        cut = replay_in_time(problem, base.rank_actions, 4, abandon_above=base.memory_bound)
     except ScheduleError as error:
         assert over and "over" in str(error)
         return

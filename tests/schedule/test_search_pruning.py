@@ -14,6 +14,7 @@ from megatron_vshape.schedule.search.adaptive import InfeasibleMemoryError, clea
 from megatron_vshape.schedule.search.constructions import (fixed_block_over, lifespan_bound,
                                                            probe_peak, reaches_steady_state)
 from megatron_vshape.schedule.model.simulate import peak_memory
+from megatron_vshape.schedule.model.problem import Problem
 from megatron_vshape.schedule.rewrite.replay import replay_in_time
 
 
@@ -100,12 +101,13 @@ def test_replay_keeps_the_cap_and_every_pass():
     p, m = 8, 32
     base = build_schedule("v-half", p, m)
     costs = Costs.build(p, 1, 1.2, 0.8, comm=0.1)
-    orders = replay_in_time(base.rank_actions, base.placement, costs, cap=10, window=4).orders
+    problem = Problem(base.placement, m, costs)
+    orders = replay_in_time(problem.with_cap(10), base.rank_actions, window=4).orders
     replayed = Schedule("replayed", base.placement, m, orders)
     assert [set(o) for o in orders] == [set(o) for o in base.rank_actions]
     assert max(peak_memory(replayed)) <= 5
     with pytest.raises(ScheduleError, match="leaves ranks waiting"):
-        replay_in_time(base.rank_actions, base.placement, costs, cap=1, window=4)
+        replay_in_time(problem.with_cap(1), base.rank_actions, window=4)
 
 
 def test_infeasible_error_still_names_the_smallest_peak_of_every_block():

@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import (Costs, MemoryModel, PassKind, ScheduleError,
                                       build_schedule, parse_costs, simulate, validate)
+from megatron_vshape.schedule.model.problem import Problem
 from megatron_vshape.schedule.rewrite.weight_deferral import defer_weight_passes
 from conftest import B_FREES, H100
 
@@ -13,9 +14,9 @@ F, B, W = PassKind.F, PassKind.B, PassKind.W
 
 
 def _deferred(schedule, costs, memory):
-    cap = schedule.memory_bound * schedule.placement.chunks
-    return schedule.with_actions(defer_weight_passes(schedule.rank_actions, schedule.placement,
-                                                     costs, cap, memory))
+    problem = Problem(schedule.placement, schedule.microbatches, costs, memory,
+                      schedule.memory_bound)
+    return schedule.with_actions(defer_weight_passes(problem, schedule.rank_actions))
 
 
 @settings(max_examples=30, deadline=None)
@@ -64,10 +65,10 @@ def test_fused_passes_and_a_limit_too_small_are_refused():
     costs = Costs.build(4)
     fused = build_schedule("1f1b", 4, 8)
     with pytest.raises(ScheduleError, match="fused BW"):
-        defer_weight_passes(fused.rank_actions, fused.placement, costs, 4)
+        defer_weight_passes(Problem(fused.placement, 8, costs).with_cap(4), fused.rank_actions)
     paper = build_schedule("v-half", 4, 8, variant="paper")
     with pytest.raises(ScheduleError, match="does not fit within 1 chunk-activations"):
-        defer_weight_passes(paper.rank_actions, paper.placement, costs, 1)
+        defer_weight_passes(Problem(paper.placement, 8, costs).with_cap(1), paper.rank_actions)
 
 
 def test_a_w_fills_a_wait_only_when_it_ends_in_time():
@@ -77,7 +78,8 @@ def test_a_w_fills_a_wait_only_when_it_ends_in_time():
     makespan 6.5. Rank 0's first wait (B0 ready at 3, idle from 2) has no W to run."""
     costs = Costs.build(2, 1, 1, 0.5)
     paper = build_schedule("zb-1p", 2, 2, variant="paper")
-    deferred = defer_weight_passes(paper.rank_actions, paper.placement, costs, 2)
+    deferred = defer_weight_passes(Problem(paper.placement, 2, costs).with_cap(2),
+                                   paper.rank_actions)
     assert [(a.kind, a.microbatch) for a in deferred[0]] == [
         (F, 0), (F, 1), (B, 0), (W, 0), (B, 1), (W, 1)]
     assert [(a.kind, a.microbatch) for a in deferred[1]] == [

@@ -19,25 +19,31 @@ by the producer's rank becoming free plus the producer's duration and the hop. T
 model (:class:`.MemoryModel`) says what F, B and W add, so a B that frees most of a chunk's
 activations lets W wait longer and more microbatches be in flight.
 
+It runs on the list schedulers' one event loop (model/event_loop.py), one event at a time; an
+end wakes the ranks on the other side of a hop (its own rank is woken by the end), and a rank
+that waits asks to be woken when the first arrival it bounded is due.
+
 Within each stage microbatches keep their order, so the result lowers to matching sends and
 receives. The makespan returned is the greedy's own timing, an upper bound of what the
 simulator gives the same orders (it may have waited on purpose where the simulator would not).
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
-import heapq
+import functools
 from collections import deque
 from dataclasses import dataclass
 
 from ..model.actions import Action, PassKind, ScheduleError
-from ..model.costs import Costs, MemoryModel
-from ..model.placement import Placement
+from ..model.event_loop import EventLoop
+from ..model.indexed import PassIndex
+from ..model.problem import Problem
 from ..model.simulate import pass_durations
 
 __all__ = ["Policy", "POLICIES", "greedy_schedule", "GreedyResult"]
 
 F, B, W = PassKind.F, PassKind.B, PassKind.W
-_INF = float("inf")
 _EPS = 1e-9
 _DEPTH = 2 * 16
 """How far up the dependency chain an unknown arrival is bounded (p <= 16: all of it)."""
@@ -88,14 +94,12 @@ class GreedyResult:
 
 
 class _Rank:
-    __slots__ = ("index", "stages", "free_at", "first", "memory", "next_f", "next_b", "pending_w",
-                 "out", "done", "backward_started", "durations", "last")
+    __slots__ = ("index", "stages", "memory", "next_f", "next_b", "pending_w", "out", "done",
+                 "backward_started", "durations", "last")
 
     def __init__(self, index: int, stages: tuple, durations: dict):
         self.index = index
         self.stages = stages
-        self.free_at = 0.0
-        self.first = None
         self.memory = 0.0
         self.next_f = [0] * len(stages)
         self.next_b = [0] * len(stages)
@@ -110,9 +114,10 @@ class _Rank:
 class _Greedy:
     """One greedy run (see the module doc)."""
 
-    def __init__(self, placement: Placement, m: int, costs: Costs, cap: float,
-                 memory: MemoryModel, policy: Policy):
-        self.placement, self.m, self.cap, self.policy = placement, m, cap, policy
+    def __init__(self, problem: Problem, policy: Policy):
+        placement, m, costs, memory = (problem.placement, problem.microbatches, problem.costs,
+                                       problem.memory)
+        self.placement, self.m, self.cap, self.policy = placement, m, problem.cap, policy
         self.comm = costs.comm
         self.delta = memory.deltas
         stages = placement.num_stages
@@ -122,8 +127,15 @@ class _Greedy:
         durations = pass_durations(placement, costs)
         self.ranks = [_Rank(r, tuple(placement.stage_of(r, c) for c in range(share)), durations[r])
                       for r in range(placement.ranks)]
-        self.f_end = [[_INF] * m for _ in range(stages)]
-        self.b_end = [[_INF] * m for _ in range(stages)]
+        index = self.index = PassIndex.of(placement, m)
+        self.first_id = {kind: [index.first_id(kind, s) for s in range(stages)]
+                         for kind in (F, B, W)}
+        """[kind][stage]: the id of microbatch 0's pass; microbatch k's is k more."""
+        self.loop = EventLoop(placement.ranks, index.durations(durations), index.key,
+                              _remote_wakes(index, costs.comm))
+        self.ended = self.loop.finished
+        """End by id, -1.0 while not started (known once a pass starts)."""
+        self.free_at = self.loop.free_at
         self.total = 3 * share * m
 
     # -- readiness ---------------------------------------------------------------------------
@@ -139,12 +151,12 @@ class _Greedy:
         """The end of pass ``kind`` (F or B) of ``mb`` at ``stage``: known once it started,
         else bounded below by its rank becoming free and, ``depth`` hops up the chain, its own
         dependency arriving."""
-        end = (self.f_end if kind is F else self.b_end)[stage][mb]
-        if end < _INF:
+        end = self.ended[self.first_id[kind][stage] + mb]
+        if end >= 0.0:
             return end
         rank = self.rank_of[stage]
         state = self.ranks[rank]
-        start = max(now, state.free_at)
+        start = max(now, self.free_at[rank])
         if depth > 0:
             if kind is F and stage > 0:
                 dep_stage, dep_kind = stage - 1, F
@@ -158,7 +170,7 @@ class _Greedy:
         return start + state.durations[kind]
 
     def _known(self, producer_stage: int, mb: int, kind: PassKind) -> bool:
-        return (self.f_end if kind is F else self.b_end)[producer_stage][mb] < _INF
+        return self.ended[self.first_id[kind][producer_stage] + mb] >= 0.0
 
     def _forward(self, state: _Rank, chunk: int, now: float):
         """(ready time, known) of the rank's next forward of ``chunk``, or None."""
@@ -176,7 +188,7 @@ class _Greedy:
             return None
         stage = state.stages[chunk]
         if stage == self.stages - 1:
-            return self.f_end[stage][k], True
+            return self.ended[self.first_id[F][stage] + k], True
         return self._arrival(stage + 1, k, B, state.index, now), self._known(stage + 1, k, B)
 
     def _fits(self, state: _Rank, chunk: int) -> bool:
@@ -243,7 +255,18 @@ class _Greedy:
         return None
 
     # -- run -------------------------------------------------------------------------------------
-    def _start(self, state: _Rank, kind: PassKind, chunk: int, now: float, wake: list) -> None:
+    def _step(self, rank: int, now: float) -> int | None:
+        """The greedy's policy (model/event_loop.py): the id of the pass rank ``rank`` starts
+        at ``now``, its counts updated, or None (asleep until something it might start becomes
+        ready)."""
+        state = self.ranks[rank]
+        if state.done == self.total:
+            return None
+        choice = self._choose(state, now)
+        if choice is None:
+            self._sleep(state, now)
+            return None
+        kind, chunk = choice
         stage = state.stages[chunk]
         if kind is W:
             _, k = state.pending_w.popleft()
@@ -255,63 +278,43 @@ class _Greedy:
             state.next_b[chunk] += 1
             state.backward_started = True
             state.pending_w.append((chunk, k))
-        end = now + state.durations[kind]
         if kind is not W:
             state.last = kind
-        if state.first is None:
-            state.first = now
-        state.free_at = end
         state.memory += self.delta[kind]
-        state.out.append(Action(kind, stage, k))
+        a = self.first_id[kind][stage] + k
+        state.out.append(a)
         state.done += 1
-        heapq.heappush(wake, (end, state.index))
-        if kind is F:
-            self.f_end[stage][k] = end
-            consumer = stage + 1 if stage + 1 < self.stages else stage
-        elif kind is B:
-            self.b_end[stage][k] = end
-            consumer = stage - 1 if stage > 0 else None
-        else:
-            consumer = None
-        if consumer is not None:
-            rank = self.rank_of[consumer]
-            if rank != state.index:
-                heapq.heappush(wake, (end + self.comm, rank))
+        return a
 
     def run(self) -> GreedyResult:
-        wake = [(0.0, r) for r in range(len(self.ranks))]
-        heapq.heapify(wake)
-        while wake:
-            now, index = heapq.heappop(wake)
-            state = self.ranks[index]
-            if state.free_at > now + _EPS or state.done == self.total:
-                continue
-            choice = self._choose(state, now)
-            if choice is None:
-                self._sleep(state, now, wake)
-                continue
-            self._start(state, *choice, now, wake)
+        self.loop.run(self._step)
         stuck = [r.index for r in self.ranks if r.done < self.total]
         if stuck:
             raise ScheduleError(f"greedy schedule: memory limit {self.cap:g} chunk-activations "
                                 f"leaves ranks {stuck} waiting")
-        first = min(r.first for r in self.ranks)
-        return GreedyResult(tuple(tuple(r.out) for r in self.ranks),
-                            max(r.free_at for r in self.ranks) - first)
+        return GreedyResult(self.index.decode([r.out for r in self.ranks]), self.loop.makespan())
 
-    def _sleep(self, state: _Rank, now: float, wake: list) -> None:
+    def _sleep(self, state: _Rank, now: float) -> None:
         """Wait until something this rank might start becomes ready (arrivals not yet known
         wake it when their producer is scheduled)."""
         times = [ready for _, _, ready in self._candidates(state, now) if ready > now + _EPS]
         if times:
-            heapq.heappush(wake, (min(times), state.index))
+            self.loop.wake_at(min(times), state.index)
 
 
-def greedy_schedule(placement: Placement, microbatches: int, costs: Costs, cap: float,
-                    memory: MemoryModel = MemoryModel(), policy: Policy = Policy()) -> GreedyResult:
-    """Orders built in simulated time under ``cap`` chunk-activations per rank (module doc).
+@functools.lru_cache(maxsize=8)
+def _remote_wakes(index: PassIndex, comm: float) -> list[tuple]:
+    """Per completion id, the (rank, hop) of the F and B passes on other ranks that wait for
+    it: whom a pass's end wakes (its own rank is woken by its end)."""
+    wakes = index.wakes(comm, frozenset({F, B}))
+    return [tuple(w for w in woken if w[0] != rank) for woken, rank in zip(wakes, index.rank)]
+
+
+def greedy_schedule(problem: Problem, policy: Policy = Policy()) -> GreedyResult:
+    """Orders built in simulated time within the problem's cap per rank (module doc).
     Raises ScheduleError when the limit leaves ranks waiting on each other."""
-    if cap < memory.forward * placement.chunks - _EPS:
+    cap, chunks = problem.cap, problem.chunks
+    if cap < problem.memory.forward * chunks - _EPS:
         raise ScheduleError(f"greedy schedule: a memory limit of {cap:g} chunk-activations "
-                            f"cannot hold one microbatch on a rank ({placement.chunks})")
-    return _Greedy(placement, microbatches, costs, cap, memory, policy).run()
+                            f"cannot hold one microbatch on a rank ({chunks})")
+    return _Greedy(problem, policy).run()

@@ -25,6 +25,15 @@ chunk-activations under the given memory model, so B's share of the savings coun
 memory these rules deadlock (every rank full of chunk-0 activations, none able to run its
 chunk-1 forward); then a second set keeps room for the chunk-1 forwards a rank owes and lets
 rounds skip what the limit keeps out, which reaches down to one microbatch per chunk in flight.
+
+Not on the list schedulers' event loop (model/event_loop.py): that loop asks a rank free at the
+earliest pending time what it starts; this construction has no events. It places passes phase by
+phase and, within a round, rank by rank in a fixed order (B from the last rank down for chunk 0,
+up for chunk 1, then F in rank order), each at max(its rank's clock, its input's arrival), so
+passes are placed out of time order (one placed later, on another rank, may start earlier). Run
+in time order the rounds would be another construction, with other orders.
+
+The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
@@ -32,9 +41,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..model.actions import Action, PassKind, ScheduleError
-from ..model.costs import Costs, MemoryModel
 from ..model.indexed import PassIndex
 from ..model.placement import Layout, Placement
+from ..model.problem import Problem
 from ..model.simulate import pass_durations
 
 __all__ = ["wave_schedule", "WaveResult"]
@@ -325,11 +334,14 @@ def _balanced(p, m, durations, comm, cap, delta, rules) -> _Run:
     return best
 
 
-def wave_schedule(ranks: int, microbatches: int, costs: Costs, cap: float,
-                  memory: MemoryModel = MemoryModel()) -> WaveResult:
-    """The fastest variant of the construction (module doc) within ``cap`` chunk-activations
-    per rank. Raises ScheduleError when no variant fits."""
-    placement = Placement(ranks, Layout.V)
+def wave_schedule(problem: Problem) -> WaveResult:
+    """The fastest variant of the construction (module doc) within the problem's cap per
+    rank; its placement must be the V. Raises ScheduleError when no variant fits."""
+    placement, microbatches, costs, memory, cap = (problem.placement, problem.microbatches,
+                                                   problem.costs, problem.memory, problem.cap)
+    if placement.layout is not Layout.V:
+        raise ScheduleError(f"wave: the construction is the V's, not {placement.layout.value}'s")
+    ranks = placement.ranks
     durations = pass_durations(placement, costs)
     delta = memory.deltas
     runs, errors = [], []

@@ -23,6 +23,15 @@ for memory (v-zb, small p) the rule loses to the order it starts from: it is the
 (search/critical_path_step.py), kept only where faster. One line costs 6-13 ms at p = 16, m = 64
 (v-min, v-zb), where one timing takes 1.5 ms.
 
+Not on the list schedulers' event loop (model/event_loop.py), which asks a rank free at the
+earliest pending time which pass it starts then. This rule looks at every rank at once, takes
+the pass that can end first, and starts a pass on that rank at the time that pass's choice
+allows, possibly before the last pass placed on another rank (an active schedule, not a
+non-delay one), so its events are not in time order. On the loop the rule becomes the non-delay
+one (a free rank runs, of its passes ready then, the one with the longest path to the end):
+tried over scripts/bench/search_digest.py's 320 cases, 39 answers were slower (by up to 1.4%:
+v-min at p = 16, m = 16, costs 1,1.39,0.35,0.05, 102.965 -> 104.095), none faster.
+
 The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
@@ -30,9 +39,8 @@ from __future__ import annotations
 import bisect
 
 from ..model.actions import Action, PassKind, ScheduleError
-from ..model.costs import Costs, MemoryModel
 from ..model.indexed import Dataflow, PassIndex
-from ..model.placement import Placement
+from ..model.problem import Problem
 from ..model.simulate import pass_durations
 from ..construct.cooldown_reorder import last_chunk0_forward
 
@@ -78,15 +86,15 @@ class _TailFacts:
     durations, hops, memory steps and bottom levels, and the orders' own timing (computed once
     for the three lines)."""
 
-    def __init__(self, orders, placement: Placement, costs: Costs, memory: MemoryModel,
-                 cap: float):
+    def __init__(self, problem: Problem, orders):
+        placement, costs, memory = problem.placement, problem.costs, problem.memory
         index = self.index = PassIndex.for_orders(placement, orders)
         self.ids = index.encode(orders)
         self.duration = index.durations(pass_durations(placement, costs))
         self.delay = index.delays(costs.comm)
         self.level = bottom_levels(index, self.duration, self.delay)
         self.step = index.steps(memory)
-        self.cap = cap + _EPS
+        self.cap = problem.cap + _EPS
         self.flow = Dataflow(index, self.duration, costs.comm)
         self.timing = self.flow.time(self.ids)
         self.span = placement.num_stages * index.microbatches
@@ -196,8 +204,7 @@ class _Tail:
         return self.out
 
 
-def critical_tails(orders, placement: Placement, costs: Costs, cap: float,
-                   memory: MemoryModel = MemoryModel(), lines=LINES) -> dict:
+def critical_tails(problem: Problem, orders, lines=LINES) -> dict:
     """{line: ``critical_tail``'s orders from it} for each of ``lines``, sharing what the lines
     read; a line whose tails cannot run (a forward that never fits, or orders that deadlock:
     ``_Tail.exact``) is left out. The own line's did at p = 16, m = 32 and 18 units, costs
@@ -205,7 +212,7 @@ def critical_tails(orders, placement: Placement, costs: Costs, cap: float,
     pass that waits for another rank's tail in about 6% of searches (3 of 48), and only those
     orders are timed for it."""
     _check(orders, lines)
-    facts = _TailFacts(orders, placement, costs, memory, cap)
+    facts = _TailFacts(problem, orders)
     out = {}
     for line in lines:
         try:
@@ -215,18 +222,16 @@ def critical_tails(orders, placement: Placement, costs: Costs, cap: float,
     return out
 
 
-def critical_tail(orders, placement: Placement, costs: Costs, cap: float,
-                  memory: MemoryModel = MemoryModel(),
-                  line: str = "own") -> tuple[tuple[Action, ...], ...]:
-    """``orders`` with every rank's tail re-scheduled (module doc), each rank within ``cap``
-    chunk-activations. Where the tails start (``LINES``): ``own``, after each rank's last
+def critical_tail(problem: Problem, orders, line: str = "own") -> tuple[tuple[Action, ...], ...]:
+    """``orders`` with every rank's tail re-scheduled (module doc), each rank within the
+    problem's cap. Where the tails start (``LINES``): ``own``, after each rank's last
     chunk-0 forward; ``first``, at the time the first rank runs its last one, the same time
     on every rank (so the later ranks' last chunk-0 forwards are re-scheduled too); ``middle``,
     halfway between that and the last rank's. Raises ScheduleError for fused BW passes, an
     unknown line, and when the tails cannot run (a forward that never fits, or orders that
     deadlock: ``critical_tails``)."""
     _check(orders, (line,))
-    facts = _TailFacts(orders, placement, costs, memory, cap)
+    facts = _TailFacts(problem, orders)
     return facts.index.decode(_Tail(facts, line).schedule())
 
 

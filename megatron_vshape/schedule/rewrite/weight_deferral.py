@@ -22,20 +22,22 @@ Per rank, in simulated time, with the rank's F and B passes in their given order
     order done                 the pending W passes, oldest first
 
 so the backlog of W passes grows in the steady state until the limit stops it, and drains into
-the cool-down's waits. The returned orders keep each stage's microbatch order, so they lower to
-matching sends and receives, and validate like their source.
+the cool-down's waits. It runs on the list schedulers' one event loop (model/event_loop.py),
+one event at a time, every end waking every rank that waits for it. The returned orders keep
+each stage's microbatch order, so they lower to matching sends and receives, and validate like
+their source.
 
 The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
 import collections
-import heapq
+import functools
 
 from ..model.actions import Action, PassKind, ScheduleError
-from ..model.costs import Costs, MemoryModel
+from ..model.event_loop import EventLoop
 from ..model.indexed import PassIndex
-from ..model.placement import Placement
+from ..model.problem import Problem
 from ..model.simulate import pass_durations
 
 __all__ = ["defer_weight_passes"]
@@ -45,15 +47,14 @@ _TOLERANCE = 1e-9
 
 
 class _Rank:
-    """A rank's F and B passes still to run (ids, indexed.py), its pending W passes, clock
-    and activations."""
+    """A rank's F and B passes still to run (ids, indexed.py), its pending W passes and
+    activations."""
 
     def __init__(self, order: list[int], kind: tuple, weight_time: float):
         self.rest = collections.deque(a for a in order if kind[a] is not W)
         self.pending: collections.deque[int] = collections.deque()
         self.weight_time = weight_time
         """How long one of its W passes takes."""
-        self.free_at = 0.0
         self.memory = 0.0
         self.out: list[int] = []
 
@@ -61,7 +62,8 @@ class _Rank:
 class _DeferralFacts:
     """The per-id facts the deferral reads (indexed.py), the hop time and the cap."""
 
-    def __init__(self, index: PassIndex, costs: Costs, memory: MemoryModel, cap: float):
+    def __init__(self, problem: Problem, index: PassIndex):
+        costs, memory, cap = problem.costs, problem.memory, problem.cap
         self.index, self.comm, self.limit, self.cap = index, costs.comm, cap, cap + _TOLERANCE
         per_rank = pass_durations(index.placement, costs)
         self.duration = index.durations(per_rank)
@@ -73,78 +75,68 @@ class _DeferralFacts:
         """What turns a B's id into its W's (ids are laid out kind by kind)."""
 
 
-def defer_weight_passes(orders, placement: Placement, costs: Costs, cap: float,
-                        memory: MemoryModel = MemoryModel()) -> tuple[tuple[Action, ...], ...]:
-    """``orders`` with every W moved to where its rank would wait (module doc), within ``cap``
-    chunk-activations per rank. Raises ScheduleError when the F and B order cannot run within
-    ``cap`` (a forward that does not fit with no W left to free room) or the ranks wait on each
+def defer_weight_passes(problem: Problem, orders) -> tuple[tuple[Action, ...], ...]:
+    """``orders`` with every W moved to where its rank would wait (module doc), within the
+    problem's cap per rank. Raises ScheduleError when the F and B order cannot run within the
+    cap (a forward that does not fit with no W left to free room) or the ranks wait on each
     other; fused BW passes are left as they are (no W to move). Runs on pass ids: on actions
     (hashing each at every lookup) a deferral took 14 ms at p = 16, m = 64."""
     if any(a.kind is PassKind.BW for order in orders for a in order):
         raise ScheduleError("fused BW passes have no W to defer")
-    index = PassIndex.for_orders(placement, orders)
-    facts = _DeferralFacts(index, costs, memory, cap)
+    index = PassIndex.for_orders(problem.placement, orders)
+    facts = _DeferralFacts(problem, index)
     ranks = [_Rank(order, index.kind, facts.weight_time[r])
              for r, order in enumerate(index.encode(orders))]
-    wakes = index.wakes(costs.comm, frozenset({F, B}))
-    finished = [-1.0] * len(index.actions)  # end by id, -1.0: not yet
-    wake = [(0.0, r) for r in range(len(ranks))]
-    while wake:
-        now, rank = heapq.heappop(wake)
-        state = ranks[rank]
-        if state.free_at > now + _TOLERANCE or not (state.rest or state.pending):
-            continue
-        action = _choose(state, facts, ranks, finished, now)
-        if action is None:
-            continue  # waits for its dependency: that pass's end wakes it
-        state.free_at = finished[action] = now + facts.duration[action]
-        state.memory += facts.step[action]
-        state.out.append(action)
-        heapq.heappush(wake, (state.free_at, rank))
-        for woken, hop in wakes[action]:
-            heapq.heappush(wake, (state.free_at + hop, woken))
+    loop = EventLoop(len(ranks), facts.duration, index.key,
+                     index.wakes(problem.costs.comm, frozenset({F, B})), busy=_TOLERANCE)
+    loop.run(functools.partial(_step, ranks, facts, loop.finished, loop.free_at))
     stuck = [(i, index.actions[r.rest[0]]) for i, r in enumerate(ranks) if r.rest]
     if stuck:
-        raise ScheduleError(f"deferring W within {cap:g} chunk-activations leaves ranks "
+        raise ScheduleError(f"deferring W within {facts.limit:g} chunk-activations leaves ranks "
                             f"waiting: {stuck[:4]}")
     return index.decode([r.out for r in ranks])
 
 
-def _choose(state: _Rank, facts: _DeferralFacts, ranks: list[_Rank], finished: list,
-            now: float) -> int | None:
-    """The pass ``state`` starts at ``now``, or None to wait (module doc's rules)."""
-    if not state.rest:
-        return state.pending.popleft()
-    head = state.rest[0]
-    kind = facts.index.kind[head]
-    if kind is F and state.memory + facts.forward > facts.cap:
-        if not state.pending:
-            raise ScheduleError(f"{facts.index.actions[head]} does not fit within "
-                                f"{facts.limit:g} chunk-activations and no W is left to free "
-                                "room")
-        return state.pending.popleft()
-    ready = _ready_at(head, facts, ranks, finished, now)
-    if ready <= now + _TOLERANCE:
-        state.rest.popleft()
-        if kind is B:
-            state.pending.append(head + facts.weight_of)
-        return head
-    if state.pending and now + state.weight_time <= ready + _TOLERANCE:
-        return state.pending.popleft()
-    return None
-
-
-def _ready_at(action: int, facts: _DeferralFacts, ranks: list[_Rank], finished: list,
-              now: float) -> float:
-    """When ``action`` can start at the earliest: its dependency's end plus a hop across
-    ranks; while the dependency has not started, no sooner than it could end if it started
-    now on its own rank."""
-    index = facts.index
-    dep = index.dep[action]
-    if dep < 0:
-        return now
-    hop = facts.comm if index.remote[action] else 0.0
-    end = finished[dep]
-    if end < 0.0:
-        end = max(now, ranks[index.rank[dep]].free_at) + facts.duration[dep]
-    return end + hop
+def _step(ranks: list[_Rank], facts: _DeferralFacts, finished: list, free_at: list, rank: int,
+          now: float) -> int | None:
+    """The deferral's policy (event_loop.py): the pass rank ``rank`` starts at ``now``, or
+    None to wait (module doc's rules). One function: it runs at every event."""
+    state = ranks[rank]
+    rest, pending = state.rest, state.pending
+    if not rest:
+        if not pending:
+            return None
+        action = pending.popleft()
+    else:
+        head = rest[0]
+        index = facts.index
+        kind = index.kind[head]
+        if kind is F and state.memory + facts.forward > facts.cap:
+            if not pending:
+                raise ScheduleError(f"{index.actions[head]} does not fit within "
+                                    f"{facts.limit:g} chunk-activations and no W is left to "
+                                    "free room")
+            action = pending.popleft()
+        else:
+            # the earliest the head can start: its dependency's end plus a hop across ranks;
+            # while the dependency has not started, no sooner than it could end if it started
+            # now on its own rank
+            dep = index.dep[head]
+            ready = now
+            if dep >= 0:
+                ready = finished[dep]
+                if ready < 0.0:
+                    ready = max(now, free_at[index.rank[dep]]) + facts.duration[dep]
+                if index.remote[head]:
+                    ready += facts.comm
+            if ready <= now + _TOLERANCE:
+                action = rest.popleft()
+                if kind is B:
+                    pending.append(head + facts.weight_of)
+            elif pending and now + state.weight_time <= ready + _TOLERANCE:
+                action = pending.popleft()
+            else:
+                return None
+    state.memory += facts.step[action]
+    state.out.append(action)
+    return action

@@ -319,8 +319,7 @@ def _with_tail(found: SearchResult, request: SearchRequest) -> SearchResult:
         return found
     problem = request.problem
     costs, limit, memory = problem.costs, problem.limit, problem.memory
-    tailed = with_faster_tail(found.schedule, costs, memory, limit, found.result.makespan,
-                              found.provenance)
+    tailed = with_faster_tail(problem, found.schedule, found.result.makespan, found.provenance)
     if tailed is None:
         return found
     orders, provenance = tailed

@@ -17,8 +17,8 @@ from ..construct.periodic import periodic_block, periodic_orders
 from ..construct.slot_reorder import slot_reorder
 from ..construct.wave import wave_schedule
 from ..model.actions import PassKind, ScheduleError
-from ..model.costs import Costs, MemoryModel
-from ..model.placement import Layout, Placement
+from ..model.costs import MemoryModel
+from ..model.placement import Layout
 from ..model.problem import Problem
 from ..model.schedule import Schedule
 from ..model.simulate import peak_memory
@@ -106,18 +106,17 @@ def none_fits(pool: Pool) -> None:
 
 def wave_orders(pool: Pool) -> tuple:
     """The V-ZB wave's orders under the pool's limit (wave.py)."""
-    problem = pool.problem
-    return _wave(problem.ranks, problem.microbatches, problem.costs, problem.limit, problem.memory)
+    return wave_schedule(pool.problem).orders
 
 
 def infeasible(pool: Pool) -> InfeasibleMemoryError:
     """The error when nothing fits: the smallest peak of anything built, of the family blocks
     skipped unprobed and of the wave at the least it can keep."""
     problem = pool.problem
-    p, m, memory = problem.ranks, problem.microbatches, problem.memory
+    m, memory = problem.microbatches, problem.memory
     pool.smallest.extend((probe_peak(block, m, memory), f"V family block, {offsets.describe()}")
                          for offsets, block in pool.skipped)
-    pool.smallest.extend(_least_wave(p, m, problem.costs, memory))
+    pool.smallest.extend(_least_wave(problem))
     peak, description = min(pool.smallest)
     return InfeasibleMemoryError(problem.limit, peak, description)
 
@@ -145,20 +144,16 @@ def fixed_block_over(family, p: int, m: int, limit: float, memory: MemoryModel) 
     return memory == MemoryModel() and m >= p and family.memory_bound(p) > limit + _EPS
 
 
-def _wave(p: int, m: int, costs: Costs, limit: float, memory: MemoryModel) -> tuple:
-    return wave_schedule(p, m, costs, limit * Layout.V.chunks, memory).orders
-
-
-def _least_wave(p: int, m: int, costs: Costs, memory: MemoryModel) -> list:
+def _least_wave(problem: Problem) -> list:
     """(peak, description) of the wave at the least limit it can keep: one microbatch of each
     chunk in flight, the least any V order holds (rank 0 keeps both until the loss)."""
-    least = memory.forward  # in units: two chunk-activations
+    least = problem.with_limit(problem.memory.forward)  # in units: two chunk-activations
     try:
-        orders = _wave(p, m, costs, least, memory)
+        orders = wave_schedule(least).orders
     except ScheduleError:
         return []
-    peak = max(peak_memory(Schedule("probe", Placement(p, Layout.V), m, orders), memory))
-    return [(peak, "V-ZB wave, cost-aware")]
+    schedule = Schedule("probe", problem.placement, problem.microbatches, orders)
+    return [(max(peak_memory(schedule, problem.memory)), "V-ZB wave, cost-aware")]
 
 
 def _periodic(problem: Problem, scale: float) -> tuple:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..rewrite.critical_path_cooldown import LINES, critical_tails
 from ..model.actions import ScheduleError
-from ..model.costs import Costs, MemoryModel
+from ..model.problem import Problem
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of
 
@@ -31,30 +31,29 @@ def tail_lines(ranks: int, limit: float) -> tuple[str, ...]:
     return ("own",) if limit >= ranks - _EPS else LINES
 
 
-def faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: float,
-                makespan: float) -> tuple[float, tuple, str] | None:
+def faster_tail(problem: Problem, schedule: Schedule, makespan: float
+                ) -> tuple[float, tuple, str] | None:
     """(makespan, orders, line) of the fastest of ``schedule``'s critical tails from the lines
-    its limit tries (``tail_lines``), within ``limit`` units, or None where none runs or none
-    beats ``makespan`` (the schedule's own, which the caller has)."""
-    lines = tail_lines(schedule.placement.ranks, limit)
+    the problem's limit tries (``tail_lines``), within that limit, or None where none runs or
+    none beats ``makespan`` (the schedule's own, which the caller has)."""
+    lines = tail_lines(problem.ranks, problem.limit)
     try:
-        tails = critical_tails(schedule.rank_actions, schedule.placement, costs,
-                               limit * schedule.placement.chunks, memory, lines)
+        tails = critical_tails(problem, schedule.rank_actions, lines)
     except ScheduleError:
         return None
     best = None
     for line, orders in tails.items():  # in LINES' order: ties keep the earlier
-        took = makespan_of(schedule.with_actions(orders), costs)
+        took = makespan_of(schedule.with_actions(orders), problem.costs)
         if took < (makespan if best is None else best[0]) - _EPS:
             best = (took, orders, line)
     return best
 
 
-def with_faster_tail(schedule: Schedule, costs: Costs, memory: MemoryModel, limit: float,
-                     makespan: float, provenance: tuple[str, ...]) -> tuple[tuple, tuple] | None:
+def with_faster_tail(problem: Problem, schedule: Schedule, makespan: float,
+                     provenance: tuple[str, ...]) -> tuple[tuple, tuple] | None:
     """(orders, provenance) of ``schedule`` with its fastest critical tail (``faster_tail``),
     the step added to ``provenance`` (``tail_step``), or None where none beats ``makespan``."""
-    tail = faster_tail(schedule, costs, memory, limit, makespan)
+    tail = faster_tail(problem, schedule, makespan)
     if tail is None:
         return None
     return tail[1], provenance + (tail_step(provenance, tail[2]),)

@@ -52,9 +52,8 @@ def refined_under(problem: Problem, orders, budget: int) -> list[tuple[str, tupl
     memory model within its limit (the caller's: the candidate's peak where B frees nothing),
     and that polished with ``budget`` passes (local.py); an empty list when the deferral does
     not apply (fused BW passes)."""
-    placement, costs, cap, memory = problem.placement, problem.costs, problem.cap, problem.memory
     try:
-        deferred = defer_weight_passes(orders, placement, costs, cap, memory)
+        deferred = defer_weight_passes(problem, orders)
     except ScheduleError:
         return []
     polished = improve(problem, deferred, budget).orders

@@ -49,9 +49,9 @@ def replays(pool: Pool) -> None:
                     continue
                 replayed.add((base.orders, window, slack))
                 pool.consider(base.provenance + (f"replayed in time (window {window})",),
-                              functools.partial(replay_in_time, base.orders, problem.placement,
-                                                problem.costs, problem.cap + slack, problem.memory,
-                                                window, abandon_above=problem.cap))
+                              functools.partial(replay_in_time,
+                                                problem.with_cap(problem.cap + slack),
+                                                base.orders, window, abandon_above=problem.limit))
 
 
 def relays(pool: Pool) -> None:
@@ -120,9 +120,8 @@ def repeats(pool: Pool) -> bool:
 def _deferred(pool: Pool, base: Candidate) -> None:
     """``base`` with its W passes deferred within its own peak (weight_deferral.py), a candidate."""
     pool.consider(base.provenance + ("W deferred",),
-                  functools.partial(defer_weight_passes, base.orders, pool.problem.placement,
-                                    pool.problem.costs, pool.problem.with_limit(base.peak).cap,
-                                    pool.problem.memory),
+                  functools.partial(defer_weight_passes, pool.problem.with_limit(base.peak),
+                                    base.orders),
                   replayable=False)
 
 

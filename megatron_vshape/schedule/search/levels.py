@@ -36,6 +36,7 @@ from ..construct.named import FAMILIES, paper_schedule
 from ..construct.slot_reorder import slot_reorder
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
+from ..model.problem import Problem
 from ..model.schedule import Schedule
 from ..names import MEMORY_LEVELS
 from ..model.simulate import makespan_of, peak_memory
@@ -148,7 +149,10 @@ def _fastest_cached(level: Level) -> tuple[Schedule, tuple[str, ...]]:
             best, best_time = other, makespan
     if level.name == "zb-1p" or best is found[0]:  # the search re-scheduled its cool-down
         return best
-    tailed = with_faster_tail(best[0], level.costs, level.memory, level.bound, best_time, best[1])
+    schedule = best[0]
+    problem = Problem(schedule.placement, schedule.microbatches, level.costs, level.memory,
+                      level.bound)
+    tailed = with_faster_tail(problem, schedule, best_time, best[1])
     if tailed is None:
         return best
     orders, how = tailed
@@ -168,12 +172,12 @@ def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float
     zb-1p points of scripts/bench/search_digest.py a polish of 100,000 passes per start made no
     order faster, and it took three quarters of those builds' time (23.5 s, 6.2 s without)."""
     placement, m = paper.placement, paper.microbatches
-    cap = level * placement.chunks
+    problem = Problem(placement, m, costs, memory, level)
     starts = [("paper order", paper.rank_actions)]
     for policy in _ZB_POLICIES:
         try:
             starts.append((f"greedy ({policy.describe()})",
-                           greedy_schedule(placement, m, costs, cap, memory, policy).orders))
+                           greedy_schedule(problem, policy).orders))
         except ScheduleError:
             continue
     best = None
