@@ -10,14 +10,17 @@ manylinux x86-64, the pure-Python or abi3
 packages the check imports that the machine may lack, and this project's wheel (whose declared
 requirements make the offline install fail loudly if a wheel is missing). The total must stay
 well under the call's 64 MiB, which it checks. ``--dry-run`` prints the pip commands and
-downloads nothing.
+downloads nothing. This project's wheel is built from a copy of its release files
+(``RELEASE_FILES``), never from the working tree's ``build/``.
 """
 from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +38,10 @@ INSTALL = ("megatron-vshape", MEGATRON_CORE, "PyYAML", "tqdm", "psutil", "packag
 OTHER_MEGATRON_CORE = "megatron-core==0.16.1"
 """The other supported release, downloaded beside (a second pip call: one call cannot take two
 versions of a package); docs/gpu-check.md's second command installs it instead."""
+RELEASE_FILES = ("setup.py", "pyproject.toml", "README.md", "LICENSE", "megatron_vshape")
+"""What this project's wheel is built from. The wheel is built from a copy of them: built in
+the working tree, setuptools reuses its ignored ``build/lib``, so modules moved or deleted since
+an earlier build would ship in the wheel (they did: a renamed package's old folder)."""
 LIMIT_BYTES = 48 * 2**20
 """The call carries 64 MiB with the working tree; leave the tree 16 MiB."""
 
@@ -50,10 +57,22 @@ def download_command(folder: Path, requirements=REQUIREMENTS) -> list[str]:
     return words + list(requirements)
 
 
-def wheel_command(folder: Path) -> list[str]:
-    """pip wheel of this project (pure Python: one wheel for every Python)."""
+def wheel_command(folder: Path, source: Path) -> list[str]:
+    """pip wheel of this project from ``source``, a copy of its release files (pure Python:
+    one wheel for every Python)."""
     return [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(folder),
-            str(ROOT)]
+            str(source)]
+
+
+def release_copy(dest: Path) -> Path:
+    """``RELEASE_FILES`` of the working tree copied to ``dest`` (no ``__pycache__``)."""
+    for name in RELEASE_FILES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, dest / name)
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,17 +83,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the pip commands; download nothing")
     args = parser.parse_args(argv)
     folder = Path(args.output)
-    commands = [download_command(folder), download_command(folder, (OTHER_MEGATRON_CORE,)),
-                wheel_command(folder)]
-    for command in commands:
-        print(shlex.join(command))
-    if args.dry_run:
-        return 0
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("megatron_vshape-*.whl"):  # the tree's version, not an old one
-        stale.unlink()
-    for command in commands:
-        subprocess.run(command, check=True)
+    with tempfile.TemporaryDirectory(prefix="vshape-release-") as scratch:
+        source = Path(scratch) / "src"
+        commands = [download_command(folder), download_command(folder, (OTHER_MEGATRON_CORE,)),
+                    wheel_command(folder, source)]
+        for command in commands:
+            print(shlex.join(command))
+        if args.dry_run:
+            return 0
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob("megatron_vshape-*.whl"):  # the tree's version, not an old one
+            stale.unlink()
+        release_copy(source)
+        for command in commands:
+            subprocess.run(command, check=True)
     wheels = sorted(folder.glob("*.whl"))
     total = sum(w.stat().st_size for w in wheels)
     for wheel in wheels:

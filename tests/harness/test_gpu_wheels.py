@@ -43,7 +43,21 @@ def test_dry_run_downloads_nothing(tmp_path, capsys):
     assert words[words.index("--python-version") + 1] == "3.12"
     assert "manylinux_2_28_x86_64" in words and "--only-binary=:all:" in words
     assert "megatron-core==0.19.2" in words and str(folder) in words
-    assert shlex.split(wheel)[-1] == str(ROOT) and not folder.exists()
+    assert Path(shlex.split(wheel)[-1]).name == "src" and not folder.exists()
+    assert "vshape-release-" in shlex.split(wheel)[-1]  # a copy, not the tree (RELEASE_FILES)
+
+
+def test_the_project_wheel_is_built_from_a_copy_of_the_release_files(tmp_path):
+    """Built in the working tree, setuptools' reused build/lib would ship modules deleted or
+    moved since an earlier build; the copy holds only the release files, and the package
+    without caches."""
+    script = _script()
+    copy = script.release_copy(tmp_path / "src")
+    assert sorted(p.name for p in copy.iterdir()) == sorted(script.RELEASE_FILES)
+    assert not list(copy.rglob("__pycache__"))
+    shipped = {p.relative_to(copy).as_posix() for p in (copy / "megatron_vshape").rglob("*.py")}
+    assert {p.relative_to(ROOT).as_posix() for p in (ROOT / "megatron_vshape").rglob("*.py")
+            if "__pycache__" not in p.parts} == shipped
 
 
 def test_doc_command_installs_what_the_script_writes():
