@@ -87,6 +87,15 @@ def test_memory_limit_units():
         memory_limit_units(8, 32, fraction=0)
 
 
+def test_a_search_refuses_a_setting_it_cannot_schedule():
+    """The placement checks the ranks and the Problem the microbatches, before any step."""
+    with pytest.raises(ScheduleError, match="ranks .* must be an integer >= 2, got 1"):
+        search(1, 8)
+    for bad in (0, 2.5):
+        with pytest.raises(ScheduleError, match=f"microbatches must be an integer >= 1, got {bad}"):
+            search(4, bad)
+
+
 def test_auto_is_a_schedule_name_everywhere(capsys):
     assert main(["simulate", "--schedule", "auto", "-p", "4", "-m", "8", "--memory-limit", "0.5", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .actions import ScheduleError
 from .costs import Costs, MemoryModel
 from .placement import Placement
 
@@ -35,6 +36,13 @@ class Problem:
     memory: MemoryModel = MemoryModel()
     limit: float = float("inf")
     """Peak activation memory per rank, in units (module doc)."""
+
+    def __post_init__(self) -> None:
+        """The placement checks the ranks; a problem checks its microbatches, once, before a
+        step reads them."""
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ScheduleError(f"microbatches must be an integer >= 1, got "
+                                f"{self.microbatches!r}")
 
     @property
     def ranks(self) -> int:

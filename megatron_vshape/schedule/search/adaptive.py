@@ -86,7 +86,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
 from ..model.placement import Layout, Placement
@@ -208,17 +207,8 @@ def search(ranks: int, microbatches: int, costs: Costs | None = None, limit: flo
     on the last rank)."""
     costs = costs or Costs.build(ranks)
     limit = float(min(ranks, microbatches) if limit is None else limit)
-    _check_setting(ranks, microbatches)
     problem = Problem(Placement(ranks, Layout.V), microbatches, costs, memory, limit)
     return _search_cached(SearchRequest(problem, shapes, settings))
-
-
-def _check_setting(ranks: int, microbatches: int) -> None:
-    """Raises ``ScheduleError`` where ``ranks`` or ``microbatches`` cannot be searched."""
-    if not isinstance(ranks, int) or ranks < 2:
-        raise ScheduleError(f"ranks must be an integer >= 2, got {ranks!r}")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
 
 
 @dataclass(frozen=True)
@@ -351,7 +341,6 @@ def search_steps(request: SearchRequest) -> SearchResult:
     pool, the fastest candidate (no ``ALSO_TRY`` around it, no critical-path cool-down, not
     cached)."""
     problem = request.problem
-    _check_setting(problem.ranks, problem.microbatches)
     started = time.perf_counter()
     pool = Pool(problem, request.shapes, request.settings)
     for step in STEPS:
