@@ -8,9 +8,9 @@ package nor any extra may install torch or megatron-core there, while the old se
 would have. The wheel also carries the bundled configs, found by name once it is installed.
 About 20 s, most of it pip resolving from the index.
 """
+import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import venv
@@ -45,12 +45,13 @@ def _pip(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """The package's wheel, built from a copy of the files a release is built from."""
-    src = tmp_path_factory.mktemp("src")
-    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "megatron_vshape", src / "megatron_vshape",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    """The package's wheel, built from a copy of the files a release is built from
+    (scripts/gpu/prepare_wheels.py's ``release_copy``, which builds the GPU check's wheel)."""
+    spec = importlib.util.spec_from_file_location("prepare_wheels",
+                                                  ROOT / "scripts" / "gpu" / "prepare_wheels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    src = script.release_copy(tmp_path_factory.mktemp("release") / "src")
     out = tmp_path_factory.mktemp("wheel")
     _pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(src))
     (built,) = out.glob("megatron_vshape-*.whl")
