@@ -6,7 +6,8 @@ with megatron-core 0.16, or the 0.19-era training code with megatron-core 0.19.2
 
 Run it exactly like pretrain_gpt.py (every Megatron-LM flag works as there), with Megatron-LM
 on PYTHONPATH (``export PYTHONPATH=$MEGATRON_LM:$PYTHONPATH``; scripts/slurm/ does this). The
-added flags are megatron_vshape.megatron.megatron_lm.add_arguments's. For V schedules
+added flags are megatron_vshape.megatron.arguments.add_arguments's (with nvidia-modelopt's,
+as pretrain_gpt.py registers them, where Megatron-LM's post-training code imports). For V schedules
 (v-min, v-half, v-zb, auto) the model, batch and forward step are V-aware (pipeline rank 0 holds
 embedding and LM head, reads tokens and labels); 1f1b, interleaved-1f1b and zb-1p keep
 pretrain_gpt's own. Losses are logged as usual (relayed to the last pipeline rank). No patch of
@@ -73,9 +74,12 @@ def main() -> None:
         raise SystemExit(f"pretrain_gpt_vshape.py needs Megatron-LM's training code (tag "
                          f"core_v0.16.1, or the megatron-core 0.19 era) on PYTHONPATH: export "
                          f"PYTHONPATH=$MEGATRON_LM:$PYTHONPATH ({err})")
-    from megatron_vshape.megatron import megatron_lm as vlm
+    from megatron_vshape.megatron import batch as vbatch
+    from megatron_vshape.megatron import providers
+    from megatron_vshape.megatron.arguments import recheck_arguments
     from megatron_vshape.megatron.megatron_lm_patch import patch_megatron_lm
     from megatron_vshape.megatron.model import v_embedding_ranks
+    from megatron_vshape.schedule.names import V_SCHEDULES
 
     _log_on_rank_0()
     patch_megatron_lm()
@@ -83,62 +87,83 @@ def main() -> None:
 
     @functools.lru_cache(maxsize=None)
     def v_chunks():  # one per run: it keeps chunk 0 until get_model asks for chunk 1
-        return vlm.VChunkProvider(base, lambda: core_transformer_config_from_args(get_args()),
-                                  te_delay_wgrad=get_args().transformer_impl == "transformer_engine")
+        return providers.VChunkProvider(
+            base, lambda: core_transformer_config_from_args(get_args()),
+            te_delay_wgrad=get_args().transformer_impl == "transformer_engine")
 
     def v_provider(*args, **kwargs):
+        recheck_arguments(get_args())
         return v_chunks()(*args, **kwargs)
 
     def standard_provider(*args, **kwargs):
-        build = vlm.deferred_standard_provider(  # TE layers: TE's own W split, as for a V
+        if _schedule() != "zb-1p":
+            return base(*args, **kwargs)
+        recheck_arguments(get_args())
+        build = providers.deferred_standard_provider(  # TE layers: TE's own W split, as for a V
             base, lambda: core_transformer_config_from_args(get_args()),
-            te_delay_wgrad=get_args().transformer_impl == "transformer_engine") \
-            if _schedule() == "zb-1p" else base
+            te_delay_wgrad=get_args().transformer_impl == "transformer_engine")
         return build(*args, **kwargs)
 
     def v_forward_step(data_iterator, model):
         args = get_args()
-        batch = vlm.VBatch(args.seq_length, args.micro_batch_size,
-                           args.create_attention_mask_in_dataloader, packed=args.sft)
-        return vlm.VForwardStep(batch, pretrain_gpt.loss_func, get_timers())(data_iterator, model)
+        batch = vbatch.VBatch(args.seq_length, args.micro_batch_size,
+                              args.create_attention_mask_in_dataloader, packed=args.sft)
+        return vbatch.VForwardStep(batch, pretrain_gpt.loss_func, get_timers())(data_iterator,
+                                                                                 model)
 
     def datasets(train_val_test_num_samples, vp_stage=None):
-        if _schedule() in vlm.V_SCHEDULES:  # pipeline rank 0 reads data under a V (--sft: all)
+        if _schedule() in V_SCHEDULES:  # pipeline rank 0 reads data under a V (--sft: all)
             pretrain_gpt.is_dataset_built_on_rank = \
-                lambda vp_stage=None, **_: vlm.is_v_dataset_rank(packed=get_args().sft)
+                lambda vp_stage=None, **_: vbatch.is_v_dataset_rank(packed=get_args().sft)
         return pretrain_gpt.train_valid_test_datasets_provider(train_val_test_num_samples,
                                                                vp_stage=vp_stage)
 
     datasets.is_distributed = True
 
     def embedding_ranks(pp_ranks, *rest):
-        if _schedule() in vlm.V_SCHEDULES:
+        if _schedule() in V_SCHEDULES:
             return v_embedding_ranks(pp_ranks)
         return pretrain_gpt.get_embedding_ranks(pp_ranks)
 
     _pretrain(pretrain, datasets, _BySchedule(v_provider, standard_provider),
               ModelType.encoder_or_decoder, _BySchedule(v_forward_step, pretrain_gpt.forward_step),
-              embedding_ranks)
+              embedding_ranks, _extra_args_provider(pretrain_gpt))
 
 
 _ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 """pretrain_gpt's own default."""
 
 
-def _pretrain(pretrain, datasets, provider, model_type, forward_step, embedding_ranks) -> None:
+def _extra_args_provider(pretrain_gpt):
+    """The plugin's flags, and nvidia-modelopt's where pretrain_gpt.py registers them (its
+    ``extra_args_provider``: core_v0.16.1 pretrain_gpt.py:348, 0.19 :513), so that every
+    recipe stock pretrain_gpt.py parses parses here too."""
+    from megatron_vshape.megatron.arguments import add_arguments
+
+    def add(parser):
+        add_arguments(parser)
+        if getattr(pretrain_gpt, "has_nvidia_modelopt", False):
+            pretrain_gpt.add_modelopt_args(parser)
+        return parser
+    return add
+
+
+def _pretrain(pretrain, datasets, provider, model_type, forward_step, embedding_ranks,
+              extra_args_provider) -> None:
     """Call Megatron-LM's pretrain() the way its version wants (module doc): the one branch
     between the two training loops, on pretrain()'s own parameters."""
-    from megatron_vshape.megatron.megatron_lm import add_arguments
-
     if "extra_args_provider" in inspect.signature(pretrain).parameters:  # core_v0.16.1
         pretrain(datasets, provider, model_type, forward_step, args_defaults=_ARGS_DEFAULTS,
-                 extra_args_provider=add_arguments, get_embedding_ranks=embedding_ranks)
+                 extra_args_provider=extra_args_provider, get_embedding_ranks=embedding_ranks)
         return
+    import pretrain_gpt
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    args = parse_and_validate_args(extra_args_provider=add_arguments,
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider,
                                    args_defaults=_ARGS_DEFAULTS)
+    if getattr(pretrain_gpt, "has_nvidia_modelopt", False):
+        pretrain_gpt.maybe_enable_modelopt(args)  # as 0.19's pretrain_gpt.py:517 does
     with warnings.catch_warnings():  # "use a ModelConfig": a V needs the model provider
         warnings.filterwarnings("ignore", message=".*ModelConfig", category=UserWarning)
         container = pretrain_cfg_container_from_args(args)

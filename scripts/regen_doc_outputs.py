@@ -10,6 +10,13 @@ fence::
     ...what the command prints...
     ```
 
+A command whose output is Markdown itself (a table) is marked without a fence, up to an end
+mark::
+
+    <!-- markdown output of: vshape features -->
+    | setting | ... |
+    <!-- end of output -->
+
 This script runs each marked command (in this process, through ``megatron_vshape.cli.main``,
 without progress output) and writes its standard output into the block. ``--check`` changes
 nothing and exits 1 when a block differs from what its command prints now, apart from the
@@ -28,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = re.compile(r"^<!-- output of: (vshape .+?) -->\n```[a-z]*\n(.*?)```$", re.M | re.S)
+MARKDOWN_MARK = re.compile(r"^<!-- markdown output of: (vshape .+?) -->\n(.*?)<!-- end of output -->$",
+                           re.M | re.S)
 _RUN_TIME = re.compile(r" in \d+(\.\d+)? s\b")
 
 
@@ -54,15 +63,18 @@ def regenerate(doc: Path, check: bool) -> list[str]:
     text = doc.read_text()
     stale = []
 
-    def replace(match: re.Match) -> str:
-        command, shown = match.group(1), match.group(2)
-        printed = run(command)
-        if comparable(printed) != comparable(shown):
-            stale.append(command)
-        head = match.group(0)[:match.start(2) - match.start(0)]
-        return head + printed + "```"
+    def replace_with(end: str):
+        def replace(match: re.Match) -> str:
+            command, shown = match.group(1), match.group(2)
+            printed = run(command)
+            if comparable(printed) != comparable(shown):
+                stale.append(command)
+            head = match.group(0)[:match.start(2) - match.start(0)]
+            return head + printed + end
+        return replace
 
-    new = MARK.sub(replace, text)
+    new = MARKDOWN_MARK.sub(replace_with("<!-- end of output -->"), text)
+    new = MARK.sub(replace_with("```"), new)
     if not check and new != text:
         doc.write_text(new)
     return stale
@@ -76,7 +88,8 @@ def main() -> int:
                         help="change nothing; exit 1 when a block is stale")
     args = parser.parse_args()
     docs = args.docs or sorted(p for p in (ROOT / "docs").glob("*.md")
-                               if MARK.search(p.read_text()))
+                               if MARK.search(p.read_text()) or
+                               MARKDOWN_MARK.search(p.read_text()))
     stale = {str(doc): regenerate(doc, args.check) for doc in docs}
     for doc, commands in stale.items():
         for command in commands:

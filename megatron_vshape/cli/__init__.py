@@ -4,7 +4,8 @@ Each module registers its own subcommands (``register(subparsers)``, each parser
 ``handler``): ``demo`` (the main job: a tiny GPT on CPU under every schedule), ``schedules``
 (simulate, render, export, compare, search, frontier), ``plan`` (the planner), ``profile``
 (measured costs for ``plan --profile``), ``experiments`` (grid, collect), ``gpu-check``
-(every schedule and the planner checked on one device in one call). ``ui`` gives them their
+(every schedule and the planner checked on one device in one call), ``features`` (the
+Megatron-LM settings accepted, refused, and how each is proven). ``ui`` gives them their
 help pages (a description and examples) and progress output.
 """
 from __future__ import annotations
@@ -17,11 +18,11 @@ from pathlib import Path
 
 from .. import __version__
 from ..schedule import ScheduleError
-from . import demo, experiments, gpu_check, plan, profile, schedules
+from . import demo, experiments, features, gpu_check, plan, profile, schedules
 
 __all__ = ["main", "build_parser"]
 
-_MODULES = (demo, schedules, plan, profile, experiments, gpu_check)
+_MODULES = (demo, schedules, plan, profile, experiments, gpu_check, features)
 _OUTPUTS = ("output", "output_dir", "csv", "plot")
 """The arguments, in any subcommand, that name a file or folder it writes."""
 

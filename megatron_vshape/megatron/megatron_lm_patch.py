@@ -9,13 +9,15 @@ not by a version.
 only code here that imports ``megatron.training``; the script calls it before pretrain())::
 
     validate_args (where it is called from: core_v0.16.1's initialize, 0.19's arguments)
-              our checks first (clear errors naming flags), then Megatron-LM's with the V's
+              our checks first (every problem in one error naming its flags; the default
+              schedule filled in), then Megatron-LM's with the V's
               uneven layer count hidden from its "num_layers % PP" check; then two chunks per
               rank (virtual_pipeline_model_parallel_size = 2), and align_param_gather as the
               user set it (Megatron-LM clears it for what it takes for a one-chunk schedule,
               so --overlap-param-gather would lose its param_sync_func per chunk); then
               installs the schedule and checks that train() and evaluate() will call it
-              (:func:`check_schedule_binding`)
+              (:func:`check_schedule_binding`); names the settings only a CPU stand-in proves
+              (arguments.stand_in_notice)
     training.DistributedDataParallelConfig
               delay_wgrad_compute=True, so DDP's hooks wait for W (the model's own
               TransformerConfig must not get it: megatron allows it for MoE only)
@@ -44,7 +46,7 @@ import sys
 from .checkpoints import checked_load_checkpoint
 from .install import ForwardBackwardGetter, OURS, VShapeConfig
 from ..schedule.names import V_SCHEDULES
-from .megatron_lm import check_arguments, vshape_config
+from .arguments import check_arguments, stand_in_notice, vshape_config
 
 __all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED",
            "refuse_yaml_config"]
@@ -202,6 +204,9 @@ def _validating(original):
         config = megatron_vshape.install(vshape_config(args))
         check_schedule_binding(config)
         log.info("[vshape] pipeline schedule %s installed", args.pipeline_schedule)
+        notice = stand_in_notice(args)
+        if notice is not None:
+            log.info(notice)  # rank 0 only (the script logs INFO there)
         return result
     validate_args.vshape_original = original
     return validate_args

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from megatron_vshape.megatron.megatron_lm import add_arguments, check_arguments, vshape_config
+from megatron_vshape.megatron.arguments import add_arguments, check_arguments, vshape_config
 from megatron_vshape.schedule.model.limits import MemoryLimit
 
 
@@ -79,7 +79,7 @@ def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
     (["--pipeline-schedule", "v-half"], {"delay_wgrad_compute": True},
      "drop it"),
     (["--pipeline-schedule", "interleaved-1f1b"], {},
-     "needs --num-virtual-stages-per-pipeline-rank"),
+     "interleaved-1f1b needs virtual pipeline stages"),
     (["--pipeline-schedule", "1f1b"], {"num_virtual_stages_per_pipeline_rank": 2},
      "use --pipeline-schedule interleaved-1f1b"),
     (["--pipeline-schedule", "zb-1p"], {"pipeline_model_parallel_size": 1},
@@ -200,3 +200,79 @@ def test_the_papers_uneven_layer_counts_are_accepted():
     check_arguments(_args(["--pipeline-schedule", "v-half"], pipeline_model_parallel_size=8))
     check_arguments(_args(["--pipeline-schedule", "interleaved-1f1b"],
                           num_virtual_stages_per_pipeline_rank=2))
+
+
+# -- megatron's own choice without --pipeline-schedule, as stock pretrain_gpt.py -----------------
+@pytest.mark.parametrize("megatron,schedule", [
+    ({}, "1f1b"),
+    ({"num_virtual_stages_per_pipeline_rank": 2}, "interleaved-1f1b"),
+    ({"num_virtual_stages_per_pipeline_rank": 1}, "1f1b"),
+    ({"num_layers": 32, "num_layers_per_virtual_pipeline_stage": 2}, "interleaved-1f1b"),
+    ({"num_layers": 8, "num_layers_per_virtual_pipeline_stage": 2}, "1f1b"),
+    ({"pipeline_model_parallel_layout": "Et|tt|tt|ttL"}, "1f1b"),
+    ({"pipeline_model_parallel_layout": "Et*2|(tt|)*6tL"}, "interleaved-1f1b"),
+])
+def test_without_a_schedule_flag_megatron_chooses_as_stock_does(megatron, schedule):
+    """No --pipeline-schedule: interleaved-1f1b where the flags make more than one stage per
+    rank (megatron-core's own layout parser counts a layout's stages), else 1f1b."""
+    args = _args(**megatron)
+    check_arguments(args)
+    assert args.pipeline_schedule == schedule and vshape_config(args).schedule == schedule
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-1p"])
+def test_a_layout_of_exactly_pp_stages_is_not_virtual_pipelining(schedule):
+    """4 stages on PP 4 is an uneven layout, not interleaving: one chunk per rank."""
+    check_arguments(_args(["--pipeline-schedule", schedule],
+                          pipeline_model_parallel_layout="Et|tt|tt|ttL"))
+    with pytest.raises(ValueError, match="interleaved-1f1b"):
+        check_arguments(_args(["--pipeline-schedule", schedule],
+                              pipeline_model_parallel_layout="Et|t|t|t|t|t|t|tL"))
+
+
+def test_every_refusal_that_applies_comes_in_one_error():
+    """A recipe with four refused settings learns all four from one launch, each line naming
+    its flag, and the plugin's own flags' misuse in the same list."""
+    with pytest.raises(ValueError) as err:
+        check_arguments(_args(["--pipeline-schedule", "v-half", "--pipeline-memory-limit", "0.5"],
+                              num_experts=8, moe_token_dispatcher_type="flex",
+                              moe_grouped_gemm=True, context_parallel_size=2,
+                              tp_comm_overlap=True))
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith("5 settings stop this run")
+    needles = ["--moe-grouped-gemm", "--moe-token-dispatcher-type alltoall",
+               "--context-parallel-size 1", "--tp-comm-overlap", "--pipeline-memory-limit"]
+    assert len(lines) == 6 and all(line.startswith("- --pipeline-") for line in lines[1:])
+    for needle in needles:
+        assert sum(needle in line for line in lines[1:]) >= 1, needle
+
+
+def test_stand_in_settings_are_named_and_refused_under_strict():
+    """--sft is proven with a CPU stand-in of TE's packed attention only: accepted and named
+    at start-up; --pipeline-strict refuses it, naming the test that proves it."""
+    from megatron_vshape.megatron.arguments import stand_in_notice
+
+    args = _args(["--pipeline-schedule", "v-half"], sft=True)
+    check_arguments(args)
+    notice = stand_in_notice(args)
+    assert notice.startswith("[vshape] v-half: proven on CPU with stand-ins") and "--sft" in notice
+    assert "--pipeline-strict" in notice
+    assert stand_in_notice(_args(["--pipeline-schedule", "v-half"])) is None
+    assert stand_in_notice(_args(["--pipeline-schedule", "1f1b"], sft=True)) is None
+    with pytest.raises(ValueError) as err:
+        check_arguments(_args(["--pipeline-schedule", "v-half", "--pipeline-strict"], sft=True))
+    assert "with --pipeline-strict: --sft" in str(err.value)
+    assert "test_megatron_lm_sft.py" in str(err.value)
+    check_arguments(_args(["--pipeline-schedule", "1f1b", "--pipeline-strict"], sft=True))
+
+
+def test_the_features_table_gives_every_refusal_a_way_out():
+    """Every refused setting says what to do instead; every accepted one names its proof."""
+    from megatron_vshape.megatron.features import SETTINGS, Verdict
+
+    for row in SETTINGS:
+        verdicts = (row.v, row.zb)
+        if Verdict.REFUSED in verdicts:
+            assert any(word in row.why for word in ("drop", "use ", "add ", "must be")), row.flags
+        if any(v in (Verdict.REAL, Verdict.STAND_IN, Verdict.GPU) for v in verdicts):
+            assert row.proven_by, row.flags

@@ -141,7 +141,7 @@ def test_untested_moe_settings_stop_at_parsing(runs, flags, needle):
 def test_expert_weight_gradients_run_in_w():
     """Every expert's fc1 and fc2 and the shared expert's run their weight gradients in W
     (defer_weight_grads, as V chunks and zb-1p do), with megatron's gradients exactly; the
-    router's weight keeps its gradient in B by design (megatron_lm._IN_B_BY_DESIGN says why),
+    router's weight keeps its gradient in B by design (providers._IN_B_BY_DESIGN says why),
     and nothing else is left in B unannounced."""
     [outcome] = run_gloo(moe_weight_grads_in_w, 1, timeout=300)
     assert outcome.ok, outcome.error

@@ -3,7 +3,7 @@
 A pack holds several documents; megatron's attention keeps them apart only when the model gets
 ``packed_seq_params`` (the documents' offsets, ``cu_seqlens``). Under a V every pipeline rank
 holds middle stages, so every rank needs the offsets of every microbatch: the V's batch reads
-them on every pipeline rank (megatron_lm.VBatch, ``packed``), where before it passed none and
+them on every pipeline rank (batch.VBatch, ``packed``), where before it passed none and
 the documents of a pack attended to each other, silently.
 
 The runs are scripts/pretrain_gpt_vshape.py under support/sft_run.py, which stands in what a
@@ -144,7 +144,7 @@ def test_megatrons_own_1f1b_leaves_middle_stages_without_the_offsets(runs):
 def test_packed_seq_params_are_megatrons_thd_of_one_pack():
     """The data loader stacks a pack's offsets as [1, n]; the model gets them 1-D, with the
     longest document, and the padded offsets where the data has them."""
-    from megatron_vshape.megatron.megatron_lm import packed_seq_params
+    from megatron_vshape.megatron.batch import packed_seq_params
 
     offsets = torch.tensor([[0, 6, 11, 16]], dtype=torch.int32)
     params = packed_seq_params(offsets, torch.tensor([6]), seq_length=16)

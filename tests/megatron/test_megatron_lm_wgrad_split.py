@@ -21,7 +21,7 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_vshape.megatron.megatron_lm import (  # noqa: E402
+from megatron_vshape.megatron.providers import (  # noqa: E402
     check_weight_grads_split, deferred_standard_provider)
 
 

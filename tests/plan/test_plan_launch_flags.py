@@ -20,7 +20,7 @@ import json, sys
 from megatron_vshape.harness.cpu import prepare_cpu_imports
 prepare_cpu_imports()
 from megatron.training.arguments import parse_args
-from megatron_vshape.megatron.megatron_lm import add_arguments
+from megatron_vshape.megatron.arguments import add_arguments
 flags, keys = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 sys.argv = ["pretrain_gpt.py"] + flags
 args = parse_args(extra_args_provider=add_arguments)

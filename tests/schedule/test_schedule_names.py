@@ -36,7 +36,7 @@ def test_every_layer_lists_the_same_names():
     from megatron_vshape.harness.demo import DEMO_SCHEDULES
     from megatron_vshape.harness.gpu_check import CHECK_SCHEDULES
     from megatron_vshape.megatron.install import OURS
-    from megatron_vshape.megatron.megatron_lm import add_arguments
+    from megatron_vshape.megatron.arguments import add_arguments
 
     parser = add_arguments(argparse.ArgumentParser())
     choices = next(a.choices for a in parser._actions if a.dest == "pipeline_schedule")

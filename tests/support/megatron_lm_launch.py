@@ -58,7 +58,8 @@ TAKES_CONFIG_CONTAINER = (MEGATRON_LM / "megatron" / "training" / "config" /
 the flags itself (core_v0.16.1): which test tier it belongs to."""
 
 _PRELOAD = ("megatron.training.training", "megatron.training.checkpointing", "pretrain_gpt",
-            "gpt_builders", "model_provider", "megatron_vshape.megatron.megatron_lm",
+            "gpt_builders", "model_provider", "megatron_vshape.megatron.arguments",
+            "megatron_vshape.megatron.providers", "megatron_vshape.megatron.batch",
             "megatron_vshape.megatron.forward_backward")
 _GRACE_SECONDS = 20.0
 """After one rank fails, how long the others get to fail on their own before being killed."""

@@ -149,7 +149,7 @@ def vshape_run(rank, world, schedule, num_layers, num_microbatches, steps, tied,
         chunks = [provider(config=config, pre_process=r == 0, post_process=r == world - 1)]
         defer_weight_grads(chunks[0], WeightGradStore(), mark_for_ddp=ddp is not None)
     elif options.get("megatron_lm"):  # as Megatron-LM's get_model calls it: once per vp stage
-        from megatron_vshape.megatron.megatron_lm import VChunkProvider
+        from megatron_vshape.megatron.providers import VChunkProvider
 
         v_provider = VChunkProvider(provider, lambda: config)
         chunks = [v_provider(pre_process=True, post_process=True, vp_stage=v) for v in (0, 1)]
@@ -234,7 +234,7 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False, options=N
     config, synced = _install_loop_hooks(chunks, options)
     step_func = partial(tiny_gpt.forward_step, per_token=bool(options.get("per_token")))
     if options.get("megatron_lm") and len(chunks) == 2:  # the V batch: rank 0, TP broadcast
-        from megatron_vshape.megatron.megatron_lm import VBatch, VForwardStep
+        from megatron_vshape.megatron.batch import VBatch, VForwardStep
 
         loss = tiny_gpt.per_token_loss if options.get("per_token") else tiny_gpt.mean_loss
         step_func = VForwardStep(VBatch(SEQ, MBS), loss, timers=config.timers)
@@ -394,7 +394,7 @@ def moe_weight_grads_in_w(rank, world):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_vshape.megatron.megatron_lm import weights_kept_in_b
+    from megatron_vshape.megatron.providers import weights_kept_in_b
     from megatron_vshape.megatron.wgrad import defer_weight_grads
     from megatron_vshape.runtime.wgrad import WeightGradStore
 

@@ -1,0 +1,390 @@
+"""What the plugin's schedules accept of Megatron-LM's settings, and how each is proven: the one
+table the argument checks, the start-up line, ``--pipeline-strict`` and docs/training.md read.
+
+Every row is one setting (a flag, or a flag's value) that changes how a pipeline schedule runs,
+with a verdict for each family of the plugin's schedules, the V (v-min, v-half, v-zb, auto) and
+zb-1p (megatron's own 1f1b and interleaved-1f1b are not the plugin's, so no row applies to
+them). A verdict is a proof level or a refusal:
+
+    real      Megatron-LM's real loop on CPU with megatron's own modules, equal to its own 1f1b
+    stand-in  the same loop with a CPU stand-in of a GPU-only library (Transformer Engine's
+              linears, attention, grouped linear, FP8): accepted, named in one start-up line,
+              refused under --pipeline-strict
+    GPU       run on a GPU (``vshape gpu-check``)
+    refused   nothing here proves it: the run stops at argument parsing with the reason and
+              the way out, every refusal that applies in one error
+
+Pure Python (no torch, no megatron): the CLI prints the table (``vshape features``) and the
+rows' predicates read an argument namespace only. Each row names the ``args`` fields it reads
+(``reads``); tests/megatron/test_megatron_lm_recipes.py checks that Megatron-LM's parser of
+every supported training code has them, so a flag renamed upstream cannot switch a refusal
+off silently.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..schedule.names import PLUGIN_SCHEDULES, V_SCHEDULES
+
+__all__ = ["Verdict", "Family", "Setting", "SETTINGS", "family_of", "refusals",
+           "stand_in_settings", "markdown_table", "virtual_stages", "STRICT_FLAG"]
+
+STRICT_FLAG = "--pipeline-strict"
+
+
+class Verdict(enum.Enum):
+    """How a setting is proven under a family of schedules, or that it is refused."""
+
+    REAL = "real"
+    STAND_IN = "stand-in"
+    GPU = "GPU"
+    REFUSED = "refused"
+    NOT_APPLICABLE = "n/a"
+
+    @property
+    def accepted(self) -> bool:
+        return self is not Verdict.REFUSED
+
+
+class Family(enum.Enum):
+    """The plugin's schedules, by what a setting's verdict depends on."""
+
+    V = "V"
+    ZB = "zb-1p"
+
+
+def family_of(schedule: str) -> Family | None:
+    """The family of a schedule name; None for megatron's own (no row applies)."""
+    if schedule in V_SCHEDULES:
+        return Family.V
+    if schedule in PLUGIN_SCHEDULES:
+        return Family.ZB
+    return None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row: a setting, whether a run uses it, and its verdict per family."""
+
+    flags: str
+    """The setting as a user writes it (the docs' first column)."""
+    reads: tuple[str, ...]
+    """The ``args`` fields ``used`` reads (Megatron-LM's dests, checked against its parser)."""
+    used: Callable[[Any], bool]
+    v: Verdict
+    zb: Verdict
+    why: str
+    """For a refusal: the reason and the way out, after "--pipeline-schedule NAME " (a
+    sentence starting with a verb). Otherwise: what proves it, or why it is safe."""
+    proven_by: str = ""
+    """The test (or command) that proves an accepted verdict."""
+    since: str = ""
+    """The Megatron-LM release whose parser first has every field of ``reads`` ("0.19");
+    empty: every supported release has them."""
+
+    def verdict(self, family: Family) -> Verdict:
+        return self.v if family is Family.V else self.zb
+
+
+def _on(args, *names) -> bool:
+    """Whether any of these fields is set; an absent one is off (a release without the flag,
+    where ``since`` says so; the checks also run on namespaces that hold only some fields)."""
+    return any(getattr(args, name, None) not in (None, False, 0, "none", [], ()) for name in names)
+
+
+def _moe(args) -> bool:
+    return bool(getattr(args, "num_experts", None))
+
+
+def _data_parallel_size(args) -> int:
+    """Data-parallel size from the world and model-parallel sizes (the checks run before
+    Megatron-LM's validate_args computes args.data_parallel_size)."""
+    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
+        getattr(args, "context_parallel_size", 1)
+    return max(1, getattr(args, "world_size", model) // model)
+
+
+def _balancing(args) -> list:
+    """--moe-router-load-balancing-type as a list (one name, or one per layer group)."""
+    value = getattr(args, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
+    return [value] if isinstance(value, str) else list(value)
+
+
+_TESTED_BALANCING = {"aux_loss", "seq_aux_loss", "global_aux_loss", "none"}
+
+
+def virtual_stages(args) -> int:
+    """Model chunks per pipeline rank the flags ask for, as Megatron-LM's validate_args
+    derives them (core_v0.16.1 arguments.py:516-545): a layout's stages over PP (counted by
+    megatron-core's own parser), --num-virtual-stages-per-pipeline-rank, or the layers per
+    rank over --num-layers-per-virtual-pipeline-stage; 1 without any."""
+    pp = args.pipeline_model_parallel_size
+    if args.pipeline_model_parallel_layout is not None:
+        from megatron.core.transformer.pipeline_parallel_layer_layout import \
+            PipelineParallelLayerLayout
+
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(
+            args.pipeline_model_parallel_layout)
+        return max(1, stages // pp)
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        return max(1, (args.num_layers or 0) // pp // args.num_layers_per_virtual_pipeline_stage)
+    return 1
+
+
+R, S, G, X, NA = (Verdict.REAL, Verdict.STAND_IN, Verdict.GPU, Verdict.REFUSED,
+                  Verdict.NOT_APPLICABLE)
+E2E = "tests/megatron/test_megatron_lm_e2e.py"
+MOE = "tests/megatron/test_megatron_lm_moe.py"
+FLAGS = "tests/megatron/test_megatron_lm_flags.py"
+
+SETTINGS = (
+    # -- the shape of the pipeline ---------------------------------------------------------------
+    Setting("--pipeline-model-parallel-size 1", ("pipeline_model_parallel_size",),
+            lambda a: a.pipeline_model_parallel_size < 2, X, X,
+            "needs --pipeline-model-parallel-size >= 2 (there is no pipeline); use "
+            "--pipeline-schedule 1f1b"),
+    Setting("--num-layers < 2 x PP", ("num_layers", "pipeline_model_parallel_size"),
+            lambda a: (a.num_layers or 0) < 2 * a.pipeline_model_parallel_size, X, NA,
+            "places 2 stages on each rank: --num-layers must be >= 2 x "
+            "--pipeline-model-parallel-size"),
+    Setting("--num-layers not a multiple of PP (k x PP - 2)", ("num_layers",),
+            lambda a: False, R, NA,
+            "rank 0, which also holds the embedding and the LM head, runs the missing layers",
+            E2E + " (14 layers on PP 4)"),
+    Setting("--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank",
+            ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank"),
+            lambda a: a.num_layers_per_virtual_pipeline_stage is not None
+            or a.num_virtual_stages_per_pipeline_rank is not None, X, NA,
+            "places two chunks per rank itself: drop --num-layers-per-virtual-pipeline-stage / "
+            "--num-virtual-stages-per-pipeline-rank (they select megatron's interleaved-1f1b, "
+            "which runs when no --pipeline-schedule is given)"),
+    Setting("virtual pipelining (more than one stage per rank, or a layout of more than PP "
+            "stages)", ("num_layers_per_virtual_pipeline_stage",
+                        "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout"),
+            lambda a: virtual_stages(a) > 1, NA, X,
+            "runs one chunk per rank; with virtual pipeline stages use --pipeline-schedule "
+            "interleaved-1f1b (megatron's own), or drop the virtual-pipeline flags"),
+    Setting("--pipeline-model-parallel-layout", ("pipeline_model_parallel_layout",),
+            lambda a: a.pipeline_model_parallel_layout is not None, X, R,
+            "cannot be expressed by --pipeline-model-parallel-layout (stage s lives on rank "
+            "s % p there): drop it. zb-1p: a layout of exactly PP stages", E2E + " (zb-1p)"),
+    Setting("--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-"
+            "pipeline-split", ("decoder_first_pipeline_num_layers",
+                               "decoder_last_pipeline_num_layers",
+                               "account_for_embedding_in_pipeline_split",
+                               "account_for_loss_in_pipeline_split"),
+            lambda a: a.decoder_first_pipeline_num_layers is not None
+            or a.decoder_last_pipeline_num_layers is not None
+            or a.account_for_embedding_in_pipeline_split or a.account_for_loss_in_pipeline_split,
+            X, R,
+            "balances rank 0 (embedding and LM head) by giving it fewer layers when --num-layers "
+            "is not a multiple of 2 x PP (the paper: num_layers = k x PP - 2): drop "
+            "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split",
+            E2E + " (zb-1p)"),
+    # -- model features ------------------------------------------------------------------------
+    Setting("--mtp-num-layers", ("mtp_num_layers",), lambda a: _on(a, "mtp_num_layers"), X, R,
+            "does not support multi-token prediction (--mtp-num-layers) yet: under a V the "
+            "MTP block would sit in rank 0's chunk 1 beside the LM head with its own copy of "
+            "the word embedding, a third copy of the tied weight that the V's tying "
+            "(model.tie_embeddings, sum_tied_embedding_grads) does not keep equal, and no "
+            "test covers MTP's loss under the B/W split: drop --mtp-num-layers, or use "
+            "--pipeline-schedule 1f1b", FLAGS + " (zb-1p, untied)"),
+    Setting("tied embeddings, data parallel > 1 and a fully parallel --save",
+            ("save", "untie_embeddings_and_output_weights", "ckpt_format",
+             "ckpt_fully_parallel_save", "tensor_model_parallel_size", "world_size"),
+            lambda a: _on(a, "save") and not _on(a, "untie_embeddings_and_output_weights")
+            and getattr(a, "ckpt_format", "torch_dist") == "torch_dist"
+            and _on(a, "ckpt_fully_parallel_save") and _data_parallel_size(a) > 1, X, NA,
+            "cannot save a checkpoint with tied embeddings under data parallelism with "
+            "megatron's fully parallel save: rank 0 holds the embedding (chunk 0) and its "
+            "tied copy in the LM head (chunk 1), and the fully parallel save makes both the "
+            "main replica on one data-parallel rank, which dist_checkpointing refuses "
+            "(\"Invalid access pattern ... embedding.word_embeddings.weight\") at the first "
+            "save: add --untie-embeddings-and-output-weights or --no-ckpt-fully-parallel-save"
+            " (data parallel > 1 comes with expert parallelism too)"),
+    Setting("--use-distributed-optimizer, --overlap-grad-reduce, --overlap-param-gather",
+            ("use_distributed_optimizer",), lambda a: _on(a, "use_distributed_optimizer"), R, R,
+            "equal to 1f1b, resumes across schedules (saved fully reshardable)", E2E),
+    Setting("--tensor-model-parallel-size, --sequence-parallel",
+            ("tensor_model_parallel_size",),
+            lambda a: getattr(a, "tensor_model_parallel_size", 1) > 1, R, R,
+            "TP 2 x PP 2 with sequence parallelism equal to 1f1b", E2E),
+    Setting("--recompute-granularity full / selective", ("recompute_granularity",),
+            lambda a: _on(a, "recompute_granularity"), R, R,
+            "B re-runs the forward of the recomputed layers; W takes what it saved", FLAGS),
+    Setting("--sft (packed sequences)", ("sft",), lambda a: _on(a, "sft"), S, S,
+            "every stage gets its pack's packed_seq_params; run with a stand-in of TE's "
+            "packed (thd) attention", "tests/megatron/test_megatron_lm_sft.py"),
+    Setting("--transformer-impl transformer_engine", ("transformer_impl",),
+            lambda a: getattr(a, "transformer_impl", None) == "transformer_engine", S, S,
+            "TE's own B/W split (delay_wgrad_compute, backward_dw in W); wiring tested on CPU "
+            "with stand-ins of TE's megatron wrappers",
+            "tests/megatron/test_megatron_lm_wgrad_split.py"),
+    Setting("--bf16", ("bf16",), lambda a: _on(a, "bf16"), G, G,
+            "every schedule gives 1F1B's losses in bf16 on one H100 and one H200 (megatron-core "
+            "with local layers, not Megatron-LM's loop)", "vshape gpu-check"),
+    # -- Mixture of Experts ----------------------------------------------------------------------
+    Setting("--num-experts (alltoall / allgather dispatcher, --expert-model-parallel-size, aux, "
+            "seq, global aux and z losses, shared experts, --moe-layer-freq, capacity)",
+            ("num_experts",), _moe, R, R,
+            "equal to 1f1b with the logged load-balancing losses; experts' fc1/fc2 run W", MOE),
+    Setting("--moe-grouped-gemm", ("num_experts", "moe_grouped_gemm"),
+            lambda a: _moe(a) and _on(a, "moe_grouped_gemm"), X, X,
+            "is not tested with grouped-GEMM experts (--moe-grouped-gemm: TE's grouped linear "
+            "or the grouped_gemm package, GPU only, no CPU test runs them, and the local B/W "
+            "split does not cover them): drop --moe-grouped-gemm (SequentialMLP experts, "
+            "whose fc1/fc2 weight gradients run in W), or use --pipeline-schedule 1f1b"),
+    Setting("--moe-token-dispatcher-type flex", ("num_experts", "moe_token_dispatcher_type"),
+            lambda a: _moe(a) and getattr(a, "moe_token_dispatcher_type", "allgather")
+            not in ("allgather", "alltoall"),
+            X, X,
+            "is tested with the allgather and alltoall token dispatchers only (the flex "
+            "dispatcher's DeepEP / HybridEP kernels run on GPUs only): use "
+            "--moe-token-dispatcher-type alltoall, or --pipeline-schedule 1f1b"),
+    Setting("--moe-router-load-balancing-type sinkhorn",
+            ("num_experts", "moe_router_load_balancing_type"),
+            lambda a: _moe(a) and not set(_balancing(a)) <= _TESTED_BALANCING, X, X,
+            "is tested with the load-balancing types aux_loss, seq_aux_loss, global_aux_loss "
+            "and none (not sinkhorn): choose one of those with "
+            "--moe-router-load-balancing-type, or use --pipeline-schedule 1f1b"),
+    Setting("--moe-shared-expert-overlap", ("num_experts", "moe_shared_expert_overlap"),
+            lambda a: _moe(a) and _on(a, "moe_shared_expert_overlap"), X, X,
+            "does not support --moe-shared-expert-overlap (it overlaps the shared expert with "
+            "the dispatch on a side CUDA stream, untested under the B/W split): drop it, or "
+            "use --pipeline-schedule 1f1b"),
+    Setting("--moe-paged-stash", ("num_experts", "moe_paged_stash"),
+            lambda a: _moe(a) and _on(a, "moe_paged_stash"), X, X,
+            "does not support --moe-paged-stash (megatron-core 0.19: megatron's schedules "
+            "reset the stash every step, pipeline_parallel/schedules.py:738; ours do not): "
+            "drop it, or use --pipeline-schedule 1f1b", since="0.19"),
+    # -- parallelism and precision the schedules do not run yet -------------------------------
+    Setting("--context-parallel-size > 1", ("context_parallel_size",),
+            lambda a: getattr(a, "context_parallel_size", 1) > 1, X, X,
+            "is not tested with context parallelism (megatron's attention needs Transformer "
+            "Engine for it, so no CPU test runs it): use --context-parallel-size 1, or "
+            "--pipeline-schedule 1f1b"),
+    Setting("--hybrid-context-parallel", ("hybrid_context_parallel",),
+            lambda a: _on(a, "hybrid_context_parallel"), X, X,
+            "does not support --hybrid-context-parallel (packs of varying length over dynamic "
+            "context-parallel groups, run by megatron's own schedule): drop it, or use "
+            "--pipeline-schedule 1f1b"),
+    Setting("--fp8-format, --fp4-format", ("fp8", "fp4"), lambda a: _on(a, "fp8", "fp4"), X, X,
+            "is not tested with FP8 or FP4 training (--fp8-format / --fp4-format: Transformer "
+            "Engine's scaling state and cached low-precision weights under the B/W split run "
+            "on GPUs only, untested): drop it, or use --pipeline-schedule 1f1b"),
+    Setting("--tp-comm-overlap", ("tp_comm_overlap",), lambda a: _on(a, "tp_comm_overlap"),
+            X, X,
+            "does not support --tp-comm-overlap (Transformer Engine overlaps the weight-"
+            "gradient GEMM with tensor-parallel communication inside the fused backward the "
+            "B/W split takes apart): drop it, or use --pipeline-schedule 1f1b"),
+    # -- what megatron's own schedules do and ours do not ---------------------------------------
+    Setting("nvidia-modelopt: a ModelOpt checkpoint, --export-kd-teacher-load (distillation)",
+            ("modelopt_enabled", "export_kd_teacher_load"),
+            lambda a: _on(a, "modelopt_enabled", "export_kd_teacher_load"), X, X,
+            "does not run ModelOpt models (quantization or distillation from a ModelOpt "
+            "checkpoint, --export-kd-teacher-load: their builder and loss are untested under "
+            "the plugin's placement and B/W split): use --pipeline-schedule 1f1b",
+            since="modelopt"),
+    Setting("--use-legacy-models", ("use_legacy_models",),
+            lambda a: _on(a, "use_legacy_models"), X, X,
+            "runs megatron-core models only: drop --use-legacy-models"),
+    Setting("--use-torch-fsdp2, --use-megatron-fsdp", ("use_torch_fsdp2", "use_megatron_fsdp"),
+            lambda a: _on(a, "use_torch_fsdp2", "use_megatron_fsdp"), X, X,
+            "needs megatron's DistributedDataParallel (its W passes call DDP's gradient hooks): "
+            "drop --use-torch-fsdp2 / --use-megatron-fsdp, or use --pipeline-schedule 1f1b"),
+    Setting("--delay-wgrad-compute", ("delay_wgrad_compute",),
+            lambda a: _on(a, "delay_wgrad_compute"), X, X,
+            "splits B and W itself (--delay-wgrad-compute is megatron's MoE overlap): drop it"),
+    Setting("--overlap-moe-expert-parallel-comm, --combined-1f1b (and its EP-overlap options)",
+            ("overlap_moe_expert_parallel_comm", "combined_1f1b",
+             "overlap_dispatch_backward_with_experts_wgrad",
+             "ep_overlap_early_attn_memory_release"),
+            lambda a: _on(a, "overlap_moe_expert_parallel_comm", "combined_1f1b",
+                          "overlap_dispatch_backward_with_experts_wgrad",
+                          "ep_overlap_early_attn_memory_release"), X, X,
+            "does not run megatron's combined 1F1B for MoE communication overlap (its own "
+            "schedule plan): drop --overlap-moe-expert-parallel-comm / --combined-1f1b / "
+            "--overlap-dispatch-backward-with-experts-wgrad / "
+            "--ep-overlap-early-attn-memory-release, or use --pipeline-schedule 1f1b",
+            since="0.19"),
+    Setting("--defer-embedding-wgrad-compute", ("defer_embedding_wgrad_compute",),
+            lambda a: _on(a, "defer_embedding_wgrad_compute"), X, X,
+            "does not support --defer-embedding-wgrad-compute (megatron's own schedules drain "
+            "the LM head's deferred weight gradients at the flush; ours never would, and the "
+            "LM head would get no gradient): drop it"),
+    Setting("--cuda-graph-impl (not none), --enable-cuda-graph, --external-cuda-graph",
+            ("cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph"),
+            lambda a: _on(a, "cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph"),
+            X, X,
+            "does not support CUDA graphs (--cuda-graph-impl, --enable-cuda-graph, "
+            "--external-cuda-graph: megatron captures them in its own schedules' pass order): "
+            "use --cuda-graph-impl none, or --pipeline-schedule 1f1b"),
+    Setting("--fine-grained-activation-offloading, --cpu-offloading",
+            ("fine_grained_activation_offloading", "cpu_offloading"),
+            lambda a: _on(a, "fine_grained_activation_offloading", "cpu_offloading"), X, X,
+            "does not support activation offloading (--fine-grained-activation-offloading, "
+            "--cpu-offloading: it offloads and reloads in megatron's pass order): drop it, or "
+            "use --pipeline-schedule 1f1b"),
+    Setting("--overlap-param-gather-with-optimizer-step",
+            ("overlap_param_gather_with_optimizer_step",),
+            lambda a: _on(a, "overlap_param_gather_with_optimizer_step"), X, X,
+            "starts every chunk's parameter all-gather at the start of a step: drop "
+            "--overlap-param-gather-with-optimizer-step (megatron's interleaved schedule's; "
+            "--overlap-param-gather works)"),
+    Setting("--overlap-p2p-communication-warmup-flush, "
+            "--microbatch-group-size-per-virtual-pipeline-stage",
+            ("overlap_p2p_comm_warmup_flush", "microbatch_group_size_per_vp_stage"),
+            lambda a: _on(a, "overlap_p2p_comm_warmup_flush",
+                          "microbatch_group_size_per_vp_stage"), X, X,
+            "runs its own pass order: drop --overlap-p2p-communication-warmup-flush / "
+            "--microbatch-group-size-per-virtual-pipeline-stage (megatron's interleaved "
+            "schedule's; they would be ignored)"),
+    Setting("--use-ring-exchange-p2p, --pipeline-model-parallel-comm-backend",
+            ("use_ring_exchange_p2p", "pipeline_model_parallel_comm_backend"),
+            lambda a: _on(a, "use_ring_exchange_p2p", "pipeline_model_parallel_comm_backend"),
+            X, X,
+            "runs its own point-to-point communication (async sends and receives, one process "
+            "group per stream, the default backend): drop --use-ring-exchange-p2p / "
+            "--pipeline-model-parallel-comm-backend (they would be ignored)"),
+    Setting("--no-overlap-p2p-communication", ("overlap_p2p_comm",),
+            lambda a: False, R, R,
+            "the plugin's sends and receives are asynchronous anyway", E2E),
+)
+"""Every setting the plugin decided on, in the order docs/training.md lists them."""
+
+
+def refusals(args, schedule: str) -> list[str]:
+    """Every refusal that applies to a run of ``schedule`` with ``args``: one message each,
+    "--pipeline-schedule NAME ..." (none for megatron's own schedules)."""
+    family = family_of(schedule)
+    if family is None:
+        return []
+    return [f"--pipeline-schedule {schedule} {row.why}" for row in SETTINGS
+            if row.verdict(family) is Verdict.REFUSED and row.used(args)]
+
+
+def stand_in_settings(args, schedule: str) -> list[Setting]:
+    """The settings of this run that only a CPU stand-in of a GPU library proves."""
+    family = family_of(schedule)
+    if family is None:
+        return []
+    return [row for row in SETTINGS
+            if row.verdict(family) is Verdict.STAND_IN and row.used(args)]
+
+
+def markdown_table(refused_only: bool = False) -> str:
+    """The table docs/training.md shows (``vshape features``): setting, verdict under a V and
+    under zb-1p, what proves it, and why (or the way out); ``refused_only``: the rows refused
+    under either family."""
+    lines = ["| setting | V | zb-1p | proven by | why, or the way out |",
+             "|---|---|---|---|---|"]
+    for row in SETTINGS:
+        if refused_only and Verdict.REFUSED not in (row.v, row.zb):
+            continue
+        lines.append(f"| `{row.flags}` | {row.v.value} | {row.zb.value} | {row.proven_by} | "
+                     f"{row.why} |")
+    return "\n".join(lines) + "\n"
