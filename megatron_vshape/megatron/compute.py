@@ -63,6 +63,7 @@ class MegatronStages:
         self._no_sync = [None] * len(chunks)
         self._grad_sync_launched: set[int] = set()
         self._te = [te_wgrad_modules(c) for c in chunks]
+        _check_forwards_in_order(schedule, rank)
         if any(self._te):
             _check_w_follows_b(schedule, rank)
 
@@ -190,6 +191,23 @@ def _last_pass_per_chunk(schedule: Schedule, rank: int, chunk_of: dict, kinds) -
 def _te_backward_dw(modules) -> None:
     for module in modules:
         module.backward_dw()
+
+
+def _check_forwards_in_order(schedule: Schedule, rank: int) -> None:
+    """Every stage's F passes come in microbatch order on this rank: its chunk's data
+    iterator hands out microbatches in order (each F calls next() on it), and megatron's
+    ``is_first_microbatch`` (F of microbatch 0) must be the chunk's first forward of the step,
+    where Transformer Engine recasts its cached FP8 weights after an optimizer step."""
+    done: dict[int, int] = {}
+    for action in schedule.compute_actions(rank):
+        if action.kind is PassKind.F:
+            expected = done.get(action.stage, -1) + 1
+            if action.microbatch != expected:
+                raise ValueError(f"schedule {schedule.name!r} runs {action} on rank {rank} "
+                                 f"before stage {action.stage}'s microbatch {expected}: "
+                                 "megatron's data iterators and first-microbatch flag need "
+                                 "each stage's forwards in microbatch order")
+            done[action.stage] = action.microbatch
 
 
 def _check_w_follows_b(schedule: Schedule, rank: int) -> None:

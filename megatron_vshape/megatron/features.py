@@ -140,6 +140,7 @@ R, S, G, X, NA = (Verdict.REAL, Verdict.STAND_IN, Verdict.GPU, Verdict.REFUSED,
 E2E = "tests/megatron/test_megatron_lm_e2e.py"
 MOE = "tests/megatron/test_megatron_lm_moe.py"
 FLAGS = "tests/megatron/test_megatron_lm_flags.py"
+UNEVEN_ZB1P = "test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b (e2e, 0.19)"
 
 SETTINGS = (
     # -- the shape of the pipeline ---------------------------------------------------------------
@@ -171,7 +172,7 @@ SETTINGS = (
     Setting("--pipeline-model-parallel-layout", ("pipeline_model_parallel_layout",),
             lambda a: a.pipeline_model_parallel_layout is not None, X, R,
             "cannot be expressed by --pipeline-model-parallel-layout (stage s lives on rank "
-            "s % p there): drop it. zb-1p: a layout of exactly PP stages", E2E + " (zb-1p)"),
+            "s % p there): drop it. zb-1p: a layout of exactly PP stages", UNEVEN_ZB1P),
     Setting("--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-"
             "pipeline-split", ("decoder_first_pipeline_num_layers",
                                "decoder_last_pipeline_num_layers",
@@ -184,7 +185,7 @@ SETTINGS = (
             "balances rank 0 (embedding and LM head) by giving it fewer layers when --num-layers "
             "is not a multiple of 2 x PP (the paper: num_layers = k x PP - 2): drop "
             "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split",
-            E2E + " (zb-1p)"),
+            UNEVEN_ZB1P),
     # -- model features ------------------------------------------------------------------------
     Setting("--mtp-num-layers", ("mtp_num_layers",), lambda a: _on(a, "mtp_num_layers"), X, R,
             "does not support multi-token prediction (--mtp-num-layers) yet: under a V the "
@@ -224,9 +225,19 @@ SETTINGS = (
             "TE's own B/W split (delay_wgrad_compute, backward_dw in W); wiring tested on CPU "
             "with stand-ins of TE's megatron wrappers",
             "tests/megatron/test_megatron_lm_wgrad_split.py"),
-    Setting("--bf16", ("bf16",), lambda a: _on(a, "bf16"), G, G,
-            "every schedule gives 1F1B's losses in bf16 on one H100 and one H200 (megatron-core "
-            "with local layers, not Megatron-LM's loop)", "vshape gpu-check"),
+    Setting("--bf16", ("bf16",), lambda a: _on(a, "bf16"), R, R,
+            "bit-identical to 1f1b in the CPU loop; on GPUs, every schedule gives 1F1B's losses "
+            "in bf16 on one H100 and one H200 (megatron-core with local layers)",
+            FLAGS + "; vshape gpu-check"),
+    Setting("--fp16 (dynamic loss scaling)", ("fp16",), lambda a: _on(a, "fp16"), R, R,
+            "equal to 1f1b (V: untied embeddings; zb-1p: tied)", FLAGS),
+    Setting("--fp16 with tied embeddings", ("fp16", "untie_embeddings_and_output_weights"),
+            lambda a: _on(a, "fp16") and not _on(a, "untie_embeddings_and_output_weights"),
+            X, NA,
+            "trains --fp16 with tied embeddings slightly unlike 1f1b: on CPU its grad norms "
+            "drift 1e-4 relative from 1f1b's from the third iteration (bf16, fp32 and untied "
+            "fp16 are equal), a difference not yet explained: add "
+            "--untie-embeddings-and-output-weights, use --bf16, or use --pipeline-schedule 1f1b"),
     # -- Mixture of Experts ----------------------------------------------------------------------
     Setting("--num-experts (alltoall / allgather dispatcher, --expert-model-parallel-size, aux, "
             "seq, global aux and z losses, shared experts, --moe-layer-freq, capacity)",

@@ -24,7 +24,8 @@ import pytest
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
 from support.megatron_lm_tier import (
     ITERS, MOE_CASES, PP4, TINY_GPT, Runs, assert_same_moe_metrics, assert_same_training,
-    initial_checkpoint, resumed, schedule_flags, trained, under_torchrun, uneven_runs)
+    initial_checkpoint, resumed, schedule_flags, trained, under_torchrun, uneven_runs,
+    uneven_zb1p_runs)
 
 pytestmark = pytest.mark.megatron_versions
 
@@ -86,6 +87,15 @@ def test_uneven_layers_train_like_1f1b(runs):
     with its own uneven layout (2,4,4,4)."""
     reference, got = uneven_runs(runs, "pp4-uneven", PP4 + ["--num-layers", "14"])
     assert_same_training(got, reference, "0.19 pp4 14 layers v-half")
+
+
+def test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b(runs):
+    """zb-1p with --decoder-first-pipeline-num-layers and with a layout of exactly PP stages
+    (2,4,4,4 both): megatron's placement, 1f1b's training."""
+    reference, _ = uneven_runs(runs, "pp4-uneven", PP4 + ["--num-layers", "14"])
+    first, layout = uneven_zb1p_runs(runs, "pp4-uneven", PP4 + ["--num-layers", "14"])
+    assert_same_training(first, reference, "0.19 pp4 14 layers zb-1p decoder-first")
+    assert_same_training(layout, reference, "0.19 pp4 14 layers zb-1p layout")
 
 
 def test_moe_with_expert_parallelism_trains_like_1f1b(runs):

@@ -24,7 +24,7 @@ from support.megatron_lm_launch import (  # noqa: E402
 from support.megatron_lm_cpu import TORCH_ADAMW  # noqa: E402
 from support.megatron_lm_tier import (  # noqa: E402
     ITERS, PP4, TINY_GPT, Run, Runs, assert_same_training, initial_checkpoint, resumed,
-    schedule_flags, trained, under_torchrun, uneven_runs)
+    schedule_flags, trained, under_torchrun, uneven_runs, uneven_zb1p_runs)
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +80,16 @@ def test_uneven_layers_train_like_1f1b(runs):
     assert v[1] == v[2] == v[3] == 4 * layer  # stages r and 7-r: 2 + 2 layers
     # rank 0: 1f1b's rank 0 (embedding, 2 layers) plus the final norm and LM head of its rank 3
     assert v[0] == ref[0] + ref[3] - 4 * layer
+
+
+def test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b(runs):
+    """zb-1p keeps megatron's placement: 14 layers on PP 4 as 2,4,4,4, set by
+    --decoder-first-pipeline-num-layers or by a --pipeline-model-parallel-layout of exactly
+    PP stages (one chunk per rank: not virtual pipelining), train as megatron's 1f1b does."""
+    reference, _ = uneven_runs(runs, "pp4-uneven", PP4 + ["--num-layers", "14"])
+    first, layout = uneven_zb1p_runs(runs, "pp4-uneven", PP4 + ["--num-layers", "14"])
+    assert_same_training(first, reference, "pp4 14 layers zb-1p decoder-first")
+    assert_same_training(layout, reference, "pp4 14 layers zb-1p layout")
 
 
 def _parameters_per_rank(run: Run) -> dict:

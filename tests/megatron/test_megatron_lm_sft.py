@@ -81,7 +81,7 @@ def runs(tmp_path_factory):
             done[name] = read_records(folder, nproc - 1), result
         return done[name]
 
-    run.root = root
+    run.root, run.launcher = root, launcher
     yield run
     launcher.close()
 
@@ -127,6 +127,21 @@ def test_packed_sequences_train_like_1f1b(runs, layout, schedule, reference):
     print(layout, schedule, report)
     assert max(report["loss"], report["grad_norm"], report["valid"]) <= REL, report
     assert all(math.isfinite(x) for x in got.losses())
+    # --sft is proven with the stand-in attention only: rank 0 says so, once; no other rank
+    notice = f"[vshape] {schedule}: proven on CPU with stand-ins of GPU libraries only"
+    assert result.log(0).count(notice) == 1 and "--sft" in result.log(0)
+    assert notice not in result.log(1)
+
+
+def test_pipeline_strict_refuses_what_only_a_stand_in_proves(runs):
+    """--pipeline-strict: --sft stops the run at argument parsing, naming the stand-in."""
+    folder = runs.root / "strict"
+    result = runs.launcher.run(RUNNER, SFT_GPT + ["--pipeline-schedule", "v-half",
+                                                  "--pipeline-strict"], 2, folder / "logs")
+    assert not result.ok
+    assert "with --pipeline-strict: --sft (packed sequences) is proven only on CPU with a " \
+           "stand-in" in result.log(0), result.log(0)[-2000:]
+    assert "initializing torch distributed" not in result.log(0)
 
 
 def test_megatrons_own_1f1b_leaves_middle_stages_without_the_offsets(runs):

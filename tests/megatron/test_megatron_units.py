@@ -189,3 +189,26 @@ def test_megatrons_schedules_refuse_v_chunks_while_installed():
             assert "V-placed model chunks" in error and "get_forward_backward_func" in error
         assert outcome.value["restored"]
     assert len(outcomes[1].value["losses"]) == 4  # 1F1B's last rank: one loss per microbatch
+
+
+def test_a_stage_whose_forwards_are_out_of_order_is_refused_before_any_pass():
+    """Each F calls next() on its chunk's data iterator and the F of microbatch 0 carries
+    megatron's first-microbatch flag (Transformer Engine recasts cached FP8 weights there):
+    both need a stage's forwards in microbatch order. Every built schedule has them so; one
+    that does not is refused when the rank's passes are set up, naming the pass."""
+    from megatron_vshape.megatron.compute import MegatronStages
+    from megatron_vshape.schedule.model.actions import PassKind
+    from megatron_vshape.schedule.registry import build_schedule
+
+    import torch
+
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    schedule = build_schedule("v-half", 2, 4)
+    MegatronStages(schedule, 0, chunks, None, [None, None], None)
+    order = list(schedule.rank_actions[0])
+    first, second = [i for i, a in enumerate(order)
+                     if a.kind is PassKind.F and a.stage == 0][:2]
+    order[first], order[second] = order[second], order[first]
+    swapped = schedule.with_actions([order] + list(schedule.rank_actions[1:]))
+    with pytest.raises(ValueError, match=r"before stage 0's microbatch 0"):
+        MegatronStages(swapped, 0, chunks, None, [None, None], None)

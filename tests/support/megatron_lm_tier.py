@@ -20,7 +20,8 @@ from support.megatron_lm_probe import Records, read_records
 
 __all__ = ["SCRIPT", "REL", "ITERS", "TINY_GPT", "PP4", "MOE_CASES", "Run", "Runs",
            "assert_same_training", "assert_same_moe_metrics", "schedule_flags",
-           "initial_checkpoint", "trained", "resumed", "under_torchrun"]
+           "initial_checkpoint", "trained", "resumed", "under_torchrun", "uneven_runs",
+           "uneven_zb1p_runs"]
 
 SCRIPT = REPO / "scripts" / "pretrain_gpt_vshape.py"
 REL = 1e-5
@@ -181,6 +182,21 @@ def uneven_runs(runs: Runs, key: str, model: list) -> tuple[Run, Run]:
     got = runs.get(f"{key}-v-half", TINY_GPT + model + start
                    + ["--pipeline-schedule", "v-half", "--train-iters", str(ITERS)])
     return reference, got
+
+
+UNEVEN_LAYOUT = ["--pipeline-model-parallel-layout", "Ett|tttt|tttt|ttttL"]
+"""The same 2,4,4,4 stages as :data:`UNEVEN_FIRST_STAGE`, written as a layout of PP stages."""
+
+
+def uneven_zb1p_runs(runs: Runs, key: str, model: list) -> tuple[Run, Run]:
+    """zb-1p on megatron's own uneven stages, from :func:`uneven_runs`' checkpoint: one run
+    with --decoder-first-pipeline-num-layers, one with the same stages as a
+    --pipeline-model-parallel-layout of PP stages (one chunk per rank, not interleaving)."""
+    start = initial_checkpoint(runs, key, model + UNEVEN_FIRST_STAGE)
+    zb = ["--pipeline-schedule", "zb-1p", "--train-iters", str(ITERS)]
+    first = runs.get(f"{key}-zb-1p-first", TINY_GPT + model + start + UNEVEN_FIRST_STAGE + zb)
+    layout = runs.get(f"{key}-zb-1p-layout", TINY_GPT + model + start + UNEVEN_LAYOUT + zb)
+    return first, layout
 
 
 def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4) -> Run:
