@@ -289,9 +289,15 @@ SETTINGS = (
             "on GPUs only, untested): drop it, or use --pipeline-schedule 1f1b"),
     Setting("--tp-comm-overlap", ("tp_comm_overlap",), lambda a: _on(a, "tp_comm_overlap"),
             X, X,
-            "does not support --tp-comm-overlap (Transformer Engine overlaps the weight-"
-            "gradient GEMM with tensor-parallel communication inside the fused backward the "
-            "B/W split takes apart): drop it, or use --pipeline-schedule 1f1b"),
+            "does not support --tp-comm-overlap: its W passes run Transformer Engine's delayed "
+            "weight gradients, whose stored GEMM inputs are Userbuffers views under the "
+            "all-gather overlaps (TE 2.11 module/linear.py:660 and layernorm_linear.py:672 put "
+            "the gathered input, base.py:1149 the gathered output gradient, into the shared "
+            "communication buffer that the next layers overwrite before W), and TE refuses "
+            "the bulk weight-gradient overlap with delayed weight gradients outright "
+            "(module/_common.py:207, layernorm_linear.py:905); the reduce-scatter overlaps "
+            "alone would be safe but run on GPUs only (Userbuffers), so nothing here proves "
+            "them: drop --tp-comm-overlap, or use --pipeline-schedule 1f1b"),
     # -- what megatron's own schedules do and ours do not ---------------------------------------
     Setting("nvidia-modelopt: a ModelOpt checkpoint, --export-kd-teacher-load (distillation)",
             ("modelopt_enabled", "export_kd_teacher_load"),
