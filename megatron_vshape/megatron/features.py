@@ -81,8 +81,12 @@ class Setting:
     proven_by: str = ""
     """The test (or command) that proves an accepted verdict."""
     since: str = ""
-    """The Megatron-LM release whose parser first has every field of ``reads`` ("0.19");
-    empty: every supported release has them."""
+    """The Megatron-LM release whose parser first has every field of ``reads`` ("0.19"), or
+    "modelopt": only where pretrain_gpt.py registers nvidia-modelopt's flags; empty: every
+    supported release has them."""
+    until: str = ""
+    """The last Megatron-LM release whose parser has them ("0.16"); empty: no supported release
+    has dropped them."""
 
     def verdict(self, family: Family) -> Verdict:
         return self.v if family is Family.V else self.zb
@@ -165,7 +169,8 @@ SETTINGS = (
             "which runs when no --pipeline-schedule is given)"),
     Setting("virtual pipelining (more than one stage per rank, or a layout of more than PP "
             "stages)", ("num_layers_per_virtual_pipeline_stage",
-                        "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout"),
+                        "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
+                        "pipeline_model_parallel_size", "num_layers"),
             lambda a: virtual_stages(a) > 1, NA, X,
             "runs one chunk per rank; with virtual pipeline stages use --pipeline-schedule "
             "interleaved-1f1b (megatron's own), or drop the virtual-pipeline flags"),
@@ -196,7 +201,8 @@ SETTINGS = (
             "--pipeline-schedule 1f1b", FLAGS + " (zb-1p, untied)"),
     Setting("tied embeddings, data parallel > 1 and a fully parallel --save",
             ("save", "untie_embeddings_and_output_weights", "ckpt_format",
-             "ckpt_fully_parallel_save", "tensor_model_parallel_size", "world_size"),
+             "ckpt_fully_parallel_save", "tensor_model_parallel_size",
+             "pipeline_model_parallel_size", "context_parallel_size", "world_size"),
             lambda a: _on(a, "save") and not _on(a, "untie_embeddings_and_output_weights")
             and getattr(a, "ckpt_format", "torch_dist") == "torch_dist"
             and _on(a, "ckpt_fully_parallel_save") and _data_parallel_size(a) > 1, X, NA,
@@ -308,7 +314,7 @@ SETTINGS = (
             since="modelopt"),
     Setting("--use-legacy-models", ("use_legacy_models",),
             lambda a: _on(a, "use_legacy_models"), X, X,
-            "runs megatron-core models only: drop --use-legacy-models"),
+            "runs megatron-core models only: drop --use-legacy-models", until="0.16"),
     Setting("--use-torch-fsdp2, --use-megatron-fsdp", ("use_torch_fsdp2", "use_megatron_fsdp"),
             lambda a: _on(a, "use_torch_fsdp2", "use_megatron_fsdp"), X, X,
             "needs megatron's DistributedDataParallel (its W passes call DDP's gradient hooks): "
@@ -316,17 +322,17 @@ SETTINGS = (
     Setting("--delay-wgrad-compute", ("delay_wgrad_compute",),
             lambda a: _on(a, "delay_wgrad_compute"), X, X,
             "splits B and W itself (--delay-wgrad-compute is megatron's MoE overlap): drop it"),
-    Setting("--overlap-moe-expert-parallel-comm, --combined-1f1b (and its EP-overlap options)",
-            ("overlap_moe_expert_parallel_comm", "combined_1f1b",
-             "overlap_dispatch_backward_with_experts_wgrad",
+    Setting("--overlap-moe-expert-parallel-comm (megatron's combined 1F1B) and its EP-overlap "
+            "options",
+            ("overlap_moe_expert_parallel_comm", "overlap_dispatch_backward_with_experts_wgrad",
              "ep_overlap_early_attn_memory_release"),
-            lambda a: _on(a, "overlap_moe_expert_parallel_comm", "combined_1f1b",
+            lambda a: _on(a, "overlap_moe_expert_parallel_comm",
                           "overlap_dispatch_backward_with_experts_wgrad",
                           "ep_overlap_early_attn_memory_release"), X, X,
-            "does not run megatron's combined 1F1B for MoE communication overlap (its own "
-            "schedule plan): drop --overlap-moe-expert-parallel-comm / --combined-1f1b / "
-            "--overlap-dispatch-backward-with-experts-wgrad / "
-            "--ep-overlap-early-attn-memory-release, or use --pipeline-schedule 1f1b",
+            "does not run megatron's combined 1F1B for MoE communication overlap "
+            "(--overlap-moe-expert-parallel-comm, its own schedule plan): drop "
+            "--overlap-moe-expert-parallel-comm / --overlap-dispatch-backward-with-experts-wgrad"
+            " / --ep-overlap-early-attn-memory-release, or use --pipeline-schedule 1f1b",
             since="0.19"),
     Setting("--defer-embedding-wgrad-compute", ("defer_embedding_wgrad_compute",),
             lambda a: _on(a, "defer_embedding_wgrad_compute"), X, X,
@@ -340,12 +346,13 @@ SETTINGS = (
             "does not support CUDA graphs (--cuda-graph-impl, --enable-cuda-graph, "
             "--external-cuda-graph: megatron captures them in its own schedules' pass order): "
             "use --cuda-graph-impl none, or --pipeline-schedule 1f1b"),
-    Setting("--fine-grained-activation-offloading, --cpu-offloading",
-            ("fine_grained_activation_offloading", "cpu_offloading"),
-            lambda a: _on(a, "fine_grained_activation_offloading", "cpu_offloading"), X, X,
+    Setting("--fine-grained-activation-offloading, --cpu-offloading-num-layers",
+            ("fine_grained_activation_offloading", "cpu_offloading_num_layers"),
+            lambda a: _on(a, "fine_grained_activation_offloading", "cpu_offloading_num_layers"),
+            X, X,
             "does not support activation offloading (--fine-grained-activation-offloading, "
-            "--cpu-offloading: it offloads and reloads in megatron's pass order): drop it, or "
-            "use --pipeline-schedule 1f1b"),
+            "--cpu-offloading-num-layers: it offloads and reloads in megatron's pass order): "
+            "drop it, or use --pipeline-schedule 1f1b"),
     Setting("--overlap-param-gather-with-optimizer-step",
             ("overlap_param_gather_with_optimizer_step",),
             lambda a: _on(a, "overlap_param_gather_with_optimizer_step"), X, X,

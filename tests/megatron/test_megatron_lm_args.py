@@ -105,7 +105,7 @@ PIPELINE_REFUSALS = [
     ({"use_megatron_fsdp": True}, "drop --use-torch-fsdp2 / --use-megatron-fsdp"),
     ({"delay_wgrad_compute": True}, "--delay-wgrad-compute is megatron's MoE overlap"),
     ({"overlap_moe_expert_parallel_comm": True}, "drop --overlap-moe-expert-parallel-comm"),
-    ({"combined_1f1b": True}, "--combined-1f1b"),
+    ({"ep_overlap_early_attn_memory_release": True}, "--ep-overlap-early-attn-memory-release"),
     ({"overlap_dispatch_backward_with_experts_wgrad": True},
      "--overlap-dispatch-backward-with-experts-wgrad"),
     ({"defer_embedding_wgrad_compute": True}, "drop it"),
@@ -116,6 +116,7 @@ PIPELINE_REFUSALS = [
     ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
     ({"external_cuda_graph": True}, "--external-cuda-graph"),
     ({"fine_grained_activation_offloading": True}, "--fine-grained-activation-offloading"),
+    ({"cpu_offloading_num_layers": 2}, "--cpu-offloading-num-layers"),
     ({"overlap_param_gather_with_optimizer_step": True},
      "drop --overlap-param-gather-with-optimizer-step"),
     ({"overlap_p2p_comm_warmup_flush": True}, "drop --overlap-p2p-communication-warmup-flush"),
@@ -133,7 +134,7 @@ PIPELINE_REFUSALS = [
 ]
 """Flags that change how megatron's own schedules run passes or their communication, or are
 untested under the B/W split: refused under V schedules and zb-1p alike. Fields one
-Megatron-LM version lacks (combined_1f1b, overlap_dispatch_backward_with_experts_wgrad) are
+Megatron-LM version lacks (overlap_dispatch_backward_with_experts_wgrad, moe_paged_stash) are
 read with getattr, off when absent; Megatron-LM's defaults (cuda_graph_impl 'none', fp8 None)
 pass (test_defaults_of_both_versions_pass)."""
 

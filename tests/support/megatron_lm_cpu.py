@@ -25,6 +25,7 @@ import types
 import torch
 
 __all__ = ["install_megatron_lm_cpu_patches", "install_moe_cpu_patches", "configure_run",
+           "install_argument_check_patches", "HOPPER",
            "use_fused_adam", "CpuFusedAdam", "TORCH_ADAMW"]
 
 
@@ -306,6 +307,24 @@ def install_moe_cpu_patches() -> None:
 
     int_splits.vshape_int_splits = True
     mappings._AllToAll.forward = staticmethod(int_splits)
+
+
+HOPPER = (9, 0)
+"""The compute capability the argument checks are answered with: an H100's."""
+
+
+def install_argument_check_patches() -> None:
+    """What Megatron-LM's validate_args asks of a GPU beyond :func:`_patch_megatron_lm`'s
+    device architecture, answered as an H100, for a process that checks arguments only and
+    never builds a model (support.megatron_lm_parse; not the real-loop tiers, whose
+    megatron-core would read it as a GPU's too).
+
+    - arguments.py:853 (core_v0.16.1) asks ``torch.cuda.get_device_capability()`` for
+      --moe-grouped-gemm and asserts >= 8 (0.19: arguments.py:1339): :data:`HOPPER`.
+
+    Idempotent; after :func:`install_megatron_lm_cpu_patches`.
+    """
+    torch.cuda.get_device_capability = lambda *args, **kwargs: HOPPER
 
 
 def install_megatron_lm_cpu_patches() -> None:
