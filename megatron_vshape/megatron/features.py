@@ -189,15 +189,16 @@ SETTINGS = (
     # -- model features ------------------------------------------------------------------------
     Setting("--mtp-num-layers, --mtp-loss-scaling-factor", ("mtp_num_layers",),
             lambda a: _on(a, "mtp_num_layers"), R, R,
-            "V: the MTP block in rank 0's chunk 1 beside the LM head (stage 2p-1), its copy of "
-            "the word embedding kept equal to chunk 0's (copied at build, gradients summed as "
-            "megatron's embedding group sums them), its linears' weight gradients in W, the "
-            "logged mtp loss relayed to the last rank; untied embeddings in the real loop. "
-            "Tied embeddings with MTP train (the megatron-core tier, by-name init), but "
-            "megatron-core cannot save or load them at PP > 1 under its own 1f1b either (0.16 "
-            "language_module.py:343, 0.19 :497), so no Megatron-LM run starts from a common "
-            "checkpoint",
-            MTP + " (PP 2 and 4, untied, resumes); tests/megatron/test_megatron_gloo.py (tied)"),
+            "the MTP block sits in rank 0's chunk 1 beside the LM head (stage 2p-1), its "
+            "copy of the word embedding kept equal to chunk 0's (copied at build, gradients "
+            "summed as megatron's embedding group sums them), its linears' weight gradients "
+            "in W; the logged mtp loss equals 1f1b's, checkpoints resume across schedules. "
+            "The real loop runs untied embeddings: megatron-core cannot save or load tied ones "
+            "with MTP at PP > 1, under its own 1f1b too (0.16 language_module.py:343, 0.19 "
+            ":497), so no run could start from a common checkpoint; tied MTP is proven on "
+            "megatron-core with weights set by name",
+            MTP + " (PP 2 x DP 2 and PP 4, every schedule, resumes); "
+            "tests/megatron/test_megatron_gloo.py (tied, PP 2)"),
     Setting("tied embeddings or --mtp-num-layers, data parallel > 1 and a fully parallel --save",
             ("save", "untie_embeddings_and_output_weights", "mtp_num_layers", "ckpt_format",
              "ckpt_fully_parallel_save", "tensor_model_parallel_size", "world_size"),
