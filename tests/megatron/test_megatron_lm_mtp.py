@@ -1,8 +1,8 @@
 """Multi-token prediction (``--mtp-num-layers``, ``--mtp-loss-scaling-factor``) under every
 schedule of the plugin, in Megatron-LM's own training loop (tag core_v0.16.1).
 
-MTP GPTs (support.megatron_lm_tier.MTP_CASES: PP 2 x DP 2 with one MTP layer, PP 4 with two
-and a loss scaling factor; rope, untied embeddings) run ``scripts/pretrain_gpt_vshape.py`` on 4
+MTP GPTs (support.megatron_lm_tier.MTP_CASES: PP 2 x DP 2 with one MTP layer and the
+distributed optimizer, PP 4 with two and a loss scaling factor; rope, untied embeddings) run ``scripts/pretrain_gpt_vshape.py`` on 4
 gloo processes from one initial checkpoint, 4 iterations, a validation step at iterations 2
 and 4, as tests/megatron/test_megatron_lm_e2e.py runs the dense GPT. Under a V the MTP block
 sits on rank 0's chunk 1 beside the LM head, with its copy of the word embedding kept equal to
