@@ -102,13 +102,15 @@ def _cancelling_offset(original):
     pipeline group (module doc)."""
     def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
         counts = getattr(config, _ATTR, None)
-        if counts is None or pp_rank is not None:
+        if counts is None:
             return original(config, vp_stage, pp_rank)
-        import torch
-        from megatron.core import parallel_state
+        if pp_rank is None:
+            import torch
+            from megatron.core import parallel_state
 
-        real = torch.distributed.get_rank(group=parallel_state.get_pipeline_model_parallel_group())
-        return sum(counts[:_v_stage(config, vp_stage, real)])
+            pp_rank = torch.distributed.get_rank(
+                group=parallel_state.get_pipeline_model_parallel_group())
+        return sum(counts[:_v_stage(config, vp_stage, pp_rank)])
     get_transformer_layer_offset.vshape_original = original
     return get_transformer_layer_offset
 

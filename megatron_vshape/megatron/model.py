@@ -143,7 +143,8 @@ def parallel_state_reports(pipeline_rank: int | None, virtual_size: int = 2):
     another placement); the previous settings come back after."""
     from megatron.core import parallel_state
 
-    rank = getattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", None)
+    rank = getattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", None)  # the setter's
+    # own value (None: none set), which get_pipeline_model_parallel_rank does not return
     size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if pipeline_rank is not None:
         parallel_state.set_pipeline_model_parallel_rank(pipeline_rank)
