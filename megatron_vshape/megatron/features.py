@@ -197,7 +197,7 @@ SETTINGS = (
             "with MTP at PP > 1, under its own 1f1b too (0.16 language_module.py:343, 0.19 "
             ":497), so no run could start from a common checkpoint; tied MTP is proven on "
             "megatron-core with weights set by name",
-            MTP + " (PP 2 x DP 2 and PP 4, every schedule, resumes); "
+            MTP + " (PP 2 x DP 2 and PP 4 under every V, zb-1p at PP 4, resumes); "
             "tests/megatron/test_megatron_gloo.py (tied, PP 2)"),
     Setting("tied embeddings or --mtp-num-layers, data parallel > 1 and a fully parallel --save",
             ("save", "untie_embeddings_and_output_weights", "mtp_num_layers", "ckpt_format",

@@ -1,21 +1,22 @@
 """Multi-token prediction (``--mtp-num-layers``, ``--mtp-loss-scaling-factor``) under every
 schedule of the plugin, in Megatron-LM's own training loop (tag core_v0.16.1).
 
-MTP GPTs (support.megatron_lm_tier.MTP_CASES: PP 2 x DP 2 with one MTP layer and the
-distributed optimizer, PP 4 with two and a loss scaling factor; rope, untied embeddings) run ``scripts/pretrain_gpt_vshape.py`` on 4
-gloo processes from one initial checkpoint, 4 iterations, a validation step at iterations 2
-and 4, as tests/megatron/test_megatron_lm_e2e.py runs the dense GPT. Under a V the MTP block
-sits on rank 0's chunk 1 beside the LM head, with its copy of the word embedding kept equal to
-chunk 0's (megatron_vshape/megatron/model.py), the MTP layers' linears run their weight
-gradients in W, and the step's MTP loss values are relayed to the last rank, where
-Megatron-LM logs them (mtp.py). Each of zb-1p, v-min, v-half, v-zb and auto must give 1f1b's
-losses, grad norms, validation losses and logged MTP losses ("mtp_1 loss", "mtp_2 loss") to
-1e-5 relative (fp32); checkpoints saved under a V resume under 1f1b and the reverse.
+MTP GPTs (support.megatron_lm_tier.MTP_CASES: PP 2 x DP 2 with one MTP layer and the distributed
+optimizer, PP 4 with two and a loss scaling factor; rope, untied embeddings) run
+``scripts/pretrain_gpt_vshape.py`` on 4 gloo processes from one initial checkpoint, 4
+iterations, a validation step at iterations 2 and 4, as tests/megatron/test_megatron_lm_e2e.py
+runs the dense GPT. Under a V the MTP block sits on rank 0's chunk 1 beside the LM head, with
+its copy of the word embedding kept equal to chunk 0's (megatron_vshape/megatron/model.py), the
+MTP layers' linears run their weight gradients in W, and the step's MTP loss values are relayed
+to the last rank, where Megatron-LM logs them (mtp.py). Each of v-min, v-half, v-zb and auto at
+both sizes, and zb-1p at PP 4, must give 1f1b's losses, grad norms, validation losses and logged
+MTP losses ("mtp_1 loss", "mtp_2 loss") to 1e-5 relative (fp32); checkpoints saved under a V
+resume under 1f1b and the reverse.
 
-Tied embeddings with MTP are left to the megatron-core tier (tests/megatron/test_megatron_gloo.py,
-weights by global name): megatron-core cannot checkpoint them at PP > 1, under its own 1f1b
-too, so no run here could start from a common checkpoint. The 0.19-era training code runs the
-same cases in tests/megatron/test_megatron_lm_019.py.
+Tied embeddings with MTP are left to the megatron-core tier
+(tests/megatron/test_megatron_gloo.py, weights by global name): megatron-core cannot checkpoint
+them at PP > 1, under its own 1f1b too, so no run here could start from a common checkpoint. The
+0.19-era training code runs the same cases in tests/megatron/test_megatron_lm_019.py.
 """
 from __future__ import annotations
 
@@ -46,8 +47,10 @@ def runs(tmp_path_factory):
     launcher.close()
 
 
-@pytest.mark.parametrize("case", sorted(MTP_CASES))
-@pytest.mark.parametrize("schedule", ["zb-1p", "v-min", "v-half", "v-zb", "auto"])
+@pytest.mark.parametrize("case,schedule", [
+    (case, schedule) for case in sorted(MTP_CASES) for schedule in ("v-min", "v-half", "v-zb",
+                                                                    "auto")] +
+    [("mtp-pp4", "zb-1p")])
 def test_mtp_trains_like_1f1b(runs, case, schedule):
     reference = trained(runs, case, MTP_CASES[case], "1f1b")
     got = trained(runs, case, MTP_CASES[case], schedule)

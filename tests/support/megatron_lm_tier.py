@@ -177,16 +177,16 @@ MTP_CASES = {
                 "--use-distributed-optimizer", "--no-ckpt-fully-parallel-save"] + _MTP,
     "mtp-pp4": PP4 + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"] + _MTP,
 }
-"""The multi-token prediction tiers' models on top of TINY_GPT (rope: Megatron-LM allows MTP
-with rope or no position embeddings only): mtp-pp2, PP 2 x DP 2 with one MTP layer (the
-logged loss averaged over DP) and the distributed optimizer (the embedding and the V's copy
-of it each in a bucket of their own, sharded alike, as megatron's DDP does for a shared
-embedding), saved without megatron's fully parallel save (with it a V cannot save at DP > 1,
-features.py's refusal says why); mtp-pp4, two MTP layers and a loss scaling factor of 0.3. Both untie the embeddings: megatron-core cannot save or load an MTP
-model with tied ones at PP > 1, under its own 1f1b too (its MTP stage builds an
-``output_layer.weight`` the tied state dict refuses: 0.16 language_module.py:343, 0.19 :497),
-so no comparison could start from a common checkpoint; tests/megatron/test_megatron_gloo.py
-proves tied MTP on megatron-core alone."""
+"""The multi-token prediction tiers' models on top of TINY_GPT (rope: Megatron-LM allows MTP with
+rope or no position embeddings only): mtp-pp2, PP 2 x DP 2 with one MTP layer (the logged loss
+averaged over DP) and the distributed optimizer (the embedding and the V's copy of it each in a
+bucket of their own, sharded alike, as megatron's DDP does for a shared embedding), saved
+without megatron's fully parallel save (with it a V cannot save at DP > 1, features.py's refusal
+says why); mtp-pp4, two MTP layers and a loss scaling factor of 0.3. Both untie the embeddings:
+megatron-core cannot save or load an MTP model with tied ones at PP > 1, under its own 1f1b too
+(its MTP stage builds an ``output_layer.weight`` the tied state dict refuses: 0.16
+language_module.py:343, 0.19 :497), so no comparison could start from a common checkpoint;
+tests/megatron/test_megatron_gloo.py proves tied MTP on megatron-core alone."""
 
 
 def schedule_flags(schedule: str) -> list:
