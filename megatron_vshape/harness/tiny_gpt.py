@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 __all__ = ["TinyGPT", "batches", "forward_step", "init_by_name", "global_named_parameters",
-           "global_grads", "loss_value", "mean_loss", "per_token_loss"]
+           "global_grads", "loss_value", "mean_loss", "per_token_loss", "EMBEDDING_COPY"]
 
 
 @dataclass(frozen=True)
@@ -109,16 +109,25 @@ def loss_value(report: dict) -> float:
     return float(value[0] / value[1]) if value.numel() == 2 else float(value[0])
 
 
+EMBEDDING_COPY = "embedding_copy"
+"""The name prefix of a multi-token prediction stage's copy of the embedding (megatron keeps
+one on the MTP stage unless it is the first; the V's is on rank 0 beside the original)."""
+
+
 def global_named_parameters(chunks):
-    """(name with global layer numbers, parameter) over a rank's chunks (1F1B and V alike)."""
+    """(name with global layer numbers, parameter) over a rank's chunks (1F1B and V alike); an
+    MTP stage's copy of the embedding is named ``embedding_copy.*`` (:data:`EMBEDDING_COPY`)."""
     from megatron.core.utils import unwrap_model
 
     for chunk in unwrap_model(list(chunks)):
         numbers = {i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+        copy = getattr(chunk, "mtp_process", False) and not chunk.pre_process
         for name, p in chunk.named_parameters():
             parts = name.split(".")
             if parts[:2] == ["decoder", "layers"]:
                 parts[2] = str(numbers[int(parts[2])])
+            if copy and parts[0] == "embedding":
+                parts[0] = EMBEDDING_COPY
             yield ".".join(parts), p
 
 
@@ -137,6 +146,8 @@ def init_by_name(chunks, tied: bool) -> None:
     for key, p in global_named_parameters(chunks):
         if tied and key == "output_layer.weight":
             key = "embedding.word_embeddings.weight"
+        if key.startswith(EMBEDDING_COPY + "."):
+            key = "embedding" + key[len(EMBEDDING_COPY):]
         gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
         values = 0.05 * torch.randn(p.shape, generator=gen)
         if "norm" in key and key.endswith("weight"):

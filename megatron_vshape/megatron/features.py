@@ -145,6 +145,7 @@ E2E = "tests/megatron/test_megatron_lm_e2e.py"
 MOE = "tests/megatron/test_megatron_lm_moe.py"
 FLAGS = "tests/megatron/test_megatron_lm_flags.py"
 UNEVEN_ZB1P = "test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b (e2e, 0.19)"
+MTP = "tests/megatron/test_megatron_lm_mtp.py"
 
 SETTINGS = (
     # -- the shape of the pipeline ---------------------------------------------------------------
@@ -192,27 +193,35 @@ SETTINGS = (
             "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split",
             UNEVEN_ZB1P),
     # -- model features ------------------------------------------------------------------------
-    Setting("--mtp-num-layers", ("mtp_num_layers",), lambda a: _on(a, "mtp_num_layers"), X, R,
-            "does not support multi-token prediction (--mtp-num-layers) yet: under a V the "
-            "MTP block would sit in rank 0's chunk 1 beside the LM head with its own copy of "
-            "the word embedding, a third copy of the tied weight that the V's tying "
-            "(model.tie_embeddings, sum_tied_embedding_grads) does not keep equal, and no "
-            "test covers MTP's loss under the B/W split: drop --mtp-num-layers, or use "
-            "--pipeline-schedule 1f1b", FLAGS + " (zb-1p, untied)"),
-    Setting("tied embeddings, data parallel > 1 and a fully parallel --save",
-            ("save", "untie_embeddings_and_output_weights", "ckpt_format",
+    Setting("--mtp-num-layers, --mtp-loss-scaling-factor", ("mtp_num_layers",),
+            lambda a: _on(a, "mtp_num_layers"), R, R,
+            "the MTP block sits in rank 0's chunk 1 beside the LM head (stage 2p-1), its "
+            "copy of the word embedding kept equal to chunk 0's (copied at build, gradients "
+            "summed as megatron's embedding group sums them), its linears' weight gradients "
+            "in W; the logged mtp loss equals 1f1b's, checkpoints resume across schedules. "
+            "The real loop runs untied embeddings: megatron-core cannot save or load tied ones "
+            "with MTP at PP > 1, under its own 1f1b too (0.16 language_module.py:343, 0.19 "
+            ":497), so no run could start from a common checkpoint; tied MTP is proven on "
+            "megatron-core with weights set by name",
+            MTP + " (PP 2 x DP 2 and PP 4 under every V, zb-1p at PP 4, resumes); "
+            "tests/megatron/test_megatron_gloo.py (tied, PP 2)"),
+    Setting("tied embeddings or --mtp-num-layers, data parallel > 1 and a fully parallel --save",
+            ("save", "untie_embeddings_and_output_weights", "mtp_num_layers", "ckpt_format",
              "ckpt_fully_parallel_save", "tensor_model_parallel_size",
              "pipeline_model_parallel_size", "context_parallel_size", "world_size"),
-            lambda a: _on(a, "save") and not _on(a, "untie_embeddings_and_output_weights")
+            lambda a: _on(a, "save") and (not _on(a, "untie_embeddings_and_output_weights")
+                                          or _on(a, "mtp_num_layers"))
             and getattr(a, "ckpt_format", "torch_dist") == "torch_dist"
             and _on(a, "ckpt_fully_parallel_save") and _data_parallel_size(a) > 1, X, NA,
-            "cannot save a checkpoint with tied embeddings under data parallelism with "
-            "megatron's fully parallel save: rank 0 holds the embedding (chunk 0) and its "
-            "tied copy in the LM head (chunk 1), and the fully parallel save makes both the "
-            "main replica on one data-parallel rank, which dist_checkpointing refuses "
-            "(\"Invalid access pattern ... embedding.word_embeddings.weight\") at the first "
-            "save: add --untie-embeddings-and-output-weights or --no-ckpt-fully-parallel-save"
-            " (data parallel > 1 comes with expert parallelism too)"),
+            "cannot save a checkpoint with tied embeddings or multi-token prediction under data "
+            "parallelism with megatron's fully parallel save: rank 0 holds the embedding "
+            "(chunk 0) and its copy in chunk 1 (the LM head's tied weight, the MTP block's "
+            "embedding), and the fully parallel save makes both the main replica on one "
+            "data-parallel rank, which dist_checkpointing refuses (\"Invalid access pattern "
+            "... embedding.word_embeddings.weight\") at the first save: add "
+            "--untie-embeddings-and-output-weights or --no-ckpt-fully-parallel-save (with "
+            "--mtp-num-layers the latter: the MTP block has its copy untied too) (data "
+            "parallel > 1 comes with expert parallelism too)"),
     Setting("--use-distributed-optimizer, --overlap-grad-reduce, --overlap-param-gather",
             ("use_distributed_optimizer",), lambda a: _on(a, "use_distributed_optimizer"), R, R,
             "equal to 1f1b, resumes across schedules (saved fully reshardable)", E2E),

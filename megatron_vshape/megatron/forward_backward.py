@@ -9,7 +9,8 @@ execution from the runtime's interpreter; per pipeline group, the stream groups 
 
 Under a V the loss is computed on pipeline rank 0, where megatron's 1F1B has it on the last
 rank. Megatron-LM's training loop and evaluation read the loss dicts on the last rank only, so
-``losses_on_last_rank`` relays them there (and returns [] on rank 0), as megatron does.
+``losses_on_last_rank`` relays them there (and returns [] on rank 0), as megatron does, and
+with multi-token prediction the step's MTP loss values for training_log (mtp.py).
 ``auto`` re-plans itself from measured costs after ``replan.after`` iterations (replan.py).
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..schedule.names import MEMORY_LEVELS, schedule_info
 from ..schedule.model.simulate import simulate
 from .compute import MegatronStages
 from .model import sum_tied_embedding_grads
+from .mtp import relay_mtp_metrics
 from .replan import Replanner
 
 __all__ = ["VShapeForwardBackward", "message_spec"]
@@ -160,6 +162,9 @@ class VShapeForwardBackward:
                 self._replan(schedule, pg, spec)
         if config.timers is not None:
             config.timers("forward-backward").stop()
+        if self.losses_on_last_rank and not forward_only and getattr(config, "mtp_num_layers",
+                                                                     None):
+            relay_mtp_metrics(pg.pp, loss_rank, pg.pp.size() - 1, _device())
         if self.losses_on_last_rank:
             return _relay_to_last_rank(stages.forward_data_store, pg.pp, loss_rank)
         return stages.forward_data_store

@@ -7,14 +7,34 @@ up-leg)::
     rank :  0  1  2  3 | 3  2  1  0          the V: chunk 1 of rank r is loop rank p-1-r
 
 megatron computes a chunk's layer offset from (pp rank, vp stage) in loop order, so chunk 1 is
-built with a pipeline group that reports the mirrored rank p-1-r: its layers, layer numbers and
+built with a pipeline group that reports the mirrored rank p-1-r, and while it is built
+parallel_state reports that rank too, with two chunks per rank (:func:`parallel_state_reports`),
+for the placement queries that ask it instead of the chunk's group (the layer specs' slicing,
+``mtp_on_this_rank``, ``get_mtp_num_layers_to_build``): its layers, layer numbers and
 checkpoint keys then are those of stage 2p-1-r, and a V checkpoint is a standard one. Rank 0
 holds the embedding (stage 0) and the final norm, LM head and loss (stage 2p-1), so the
-embedding group is rank 0 alone (:func:`v_embedding_ranks`) and tied embeddings are two
-Parameters on one rank (:func:`tie_embeddings`, :func:`sum_tied_embedding_grads`).
+embedding group is rank 0 alone (:func:`v_embedding_ranks`).
+
+Copies of the word embedding. megatron keeps one Parameter per stage that uses the word
+embedding and sums their gradients over its embedding group (finalize_model_grads); under the
+V every such stage is on rank 0, so the copies are Parameters of rank 0's two chunks:
+
+    chunk 0 (stage 0)      embedding.word_embeddings.weight     the one megatron initialises
+    chunk 1 (stage 2p-1)   output_layer.weight                  tied embeddings, no MTP
+                           embedding.word_embeddings.weight     multi-token prediction (MTP):
+                                                                its embedding, and with tied
+                                                                embeddings the LM head's weight
+
+:func:`tie_embeddings` copies chunk 0's into chunk 1's (megatron zero-fills it and would fill it
+by its all-reduce), :func:`sum_tied_embedding_grads` gives both the sum of their gradients
+after every step (megatron's all-reduce over first, last and MTP stage), so they stay equal.
+With tied embeddings and MTP, chunk 1 also holds an ``output_layer.weight`` that nothing uses,
+exactly as megatron's last stage does (megatron-core builds it and passes the embedding's
+weight to the LM head instead).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable
@@ -27,7 +47,8 @@ from .wgrad import defer_weight_grads, with_te_delay_wgrad
 
 __all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "build_v_chunk",
            "v_chunk_config", "finish_v_chunks", "tie_embeddings", "sum_tied_embedding_grads",
-           "check_v_config", "V_PLACED", "is_v_placed"]
+           "embedding_copy", "parallel_state_reports", "check_v_config", "V_PLACED",
+           "is_v_placed"]
 
 V_PLACED = "vshape_v_placed"
 """Attribute set on every chunk :func:`build_v_chunk` builds: megatron's own schedule
@@ -101,15 +122,38 @@ def build_v_chunk(model_provider: Callable[..., torch.nn.Module], config, vp_sta
     base = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     first = base.pp.rank() == 0
     if vp_stage == 0:
-        chunk = model_provider(config=config, pre_process=first, post_process=False, vp_stage=0,
-                               pg_collection=base)
+        with parallel_state_reports(None):
+            chunk = model_provider(config=config, pre_process=first, post_process=False,
+                                   vp_stage=0, pg_collection=base)
     else:
         mirrored = copy.copy(base)
         mirrored.pp = MirroredGroup(base.pp)
-        chunk = model_provider(config=config, pre_process=False, post_process=first, vp_stage=1,
-                               pg_collection=mirrored)
+        with parallel_state_reports(mirrored.pp.rank()):
+            chunk = model_provider(config=config, pre_process=False, post_process=first,
+                                   vp_stage=1, pg_collection=mirrored)
     setattr(chunk, V_PLACED, True)
     return chunk
+
+
+@contextlib.contextmanager
+def parallel_state_reports(pipeline_rank: int | None, virtual_size: int = 2):
+    """Inside, megatron's parallel_state reports a V chunk's placement: ``pipeline_rank`` as
+    this process's pipeline rank (None: the real one) and ``virtual_size`` chunks per rank, as
+    Megatron-LM sets them for a V run (its setters, megatron's own way to build a chunk for
+    another placement); the previous settings come back after."""
+    from megatron.core import parallel_state
+
+    rank = getattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", None)  # the setter's
+    # own value (None: none set), which get_pipeline_model_parallel_rank does not return
+    size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if pipeline_rank is not None:
+        parallel_state.set_pipeline_model_parallel_rank(pipeline_rank)
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(virtual_size)
+    try:
+        yield
+    finally:
+        parallel_state.set_pipeline_model_parallel_rank(rank)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(size)
 
 
 def is_v_placed(chunk) -> bool:
@@ -124,10 +168,10 @@ def is_v_placed(chunk) -> bool:
 
 
 def finish_v_chunks(chunk0, chunk1, defer_wgrad: bool = True, ddp_delay_wgrad: bool = False):
-    """After building both chunks: tie the embeddings on rank 0 and route the parallel
-    linears' weight gradients through a W store per chunk (:mod:`.wgrad`)."""
-    if getattr(chunk1, "post_process", False) and \
-            getattr(chunk1, "share_embeddings_and_output_weights", False):
+    """After building both chunks: copy the word embedding into chunk 1's copy on rank 0 (module
+    doc) and route the parallel linears' weight gradients through a W store per chunk
+    (:mod:`.wgrad`)."""
+    if embedding_copy(chunk0, chunk1) is not None:
         tie_embeddings(chunk0, chunk1)
     if defer_wgrad:
         for chunk in (chunk0, chunk1):
@@ -152,26 +196,40 @@ def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_gr
     return chunks
 
 
+def embedding_copy(chunk0, chunk1):
+    """Chunk 1's copy of the word embedding on rank 0 (the LM head's weight with tied
+    embeddings, the MTP block's embedding with multi-token prediction: module doc), None where
+    this rank holds none (other ranks, untied embeddings without MTP)."""
+    if not getattr(chunk0, "pre_process", False):
+        return None
+    tied = getattr(chunk1, "post_process", False) and \
+        getattr(chunk1, "share_embeddings_and_output_weights", False)
+    if not (tied or getattr(chunk1, "mtp_process", False)):
+        return None
+    return chunk1.shared_embedding_or_output_weight()
+
+
 def tie_embeddings(chunk0, chunk1) -> None:
-    """Copy the word embedding into the LM head (megatron zero-fills it and would fill it by an
-    all-reduce between the first and last pipeline ranks, which under the V are one rank)."""
+    """Copy the word embedding into chunk 1's copy (megatron zero-fills it and would fill it by
+    an all-reduce between the first and the last or MTP pipeline ranks, which under the V are
+    one rank)."""
     with torch.no_grad():
-        chunk1.shared_embedding_or_output_weight().copy_(
-            chunk0.shared_embedding_or_output_weight())
+        embedding_copy(chunk0, chunk1).copy_(chunk0.shared_embedding_or_output_weight())
 
 
 def sum_tied_embedding_grads(chunks) -> None:
-    """After backward: the tied weight's gradient is the sum of both uses; write it to both
-    Parameters (``main_grad`` under megatron's DDP, else ``grad``)."""
+    """After backward: the word embedding's gradient is the sum over its uses; write it to both
+    Parameters (``main_grad`` under megatron's DDP, else ``grad``), as megatron's all-reduce
+    over its embedding group does."""
     from megatron.core.utils import unwrap_model
 
     chunks = unwrap_model(list(chunks))  # DDP / Float16Module wrappers
-    if len(chunks) != 2 or not getattr(chunks[1], "share_embeddings_and_output_weights", False):
+    if len(chunks) != 2:
         return
-    if not (getattr(chunks[0], "pre_process", False) and getattr(chunks[1], "post_process", False)):
+    b = embedding_copy(*chunks)
+    if b is None:
         return
     a = chunks[0].shared_embedding_or_output_weight()
-    b = chunks[1].shared_embedding_or_output_weight()
     attr = "main_grad" if hasattr(a, "main_grad") else "grad"
     ga, gb = getattr(a, attr), getattr(b, attr)
     if ga is None or gb is None:

@@ -100,6 +100,49 @@ def pp4_uneven_tied():
                                                  "num_layers_in_last_pipeline_stage": 4})
 
 
+MTP = {"config": {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}}
+"""Two multi-token prediction layers (megatron's MTP block, rope), tied embeddings: the V puts
+them on rank 0's chunk 1 with a copy of the word embedding that the LM head and MTP share;
+megatron-core cannot checkpoint this model at PP > 1 (not even under its own 1f1b), so
+Megatron-LM's loop, whose comparisons start from a checkpoint, runs untied MTP
+(tests/megatron/test_megatron_lm_mtp.py) and tied MTP is proven here, from by-name weights."""
+
+
+@pytest.fixture(scope="module")
+def pp2_tied_mtp_raw():
+    """PP 2 with megatron's DDP: megatron's finalize_model_grads sums the embedding copies'
+    gradients over its embedding group in 1F1B (first and last rank), the V sums its two on
+    rank 0 (model.sum_tied_embedding_grads). Without overlap_grad_reduce: with it megatron's
+    own 1F1B fails at the second step, since the MTP stage's tied ``output_layer.weight``,
+    which nothing uses, never reports its gradient ready (param_and_grad_buffer.py:206).
+    Every rank's values."""
+    return _compare(2, 4, tied=True, ddp={}, options=MTP, raw=True)
+
+
+@pytest.fixture(scope="module")
+def pp2_tied_mtp(pp2_tied_mtp_raw):
+    return {name: _merge(pp2_tied_mtp_raw, name) for name in ("1f1b",) + V_SCHEDULES}
+
+
+@pytest.mark.megatron_versions
+@pytest.mark.parametrize("name", V_SCHEDULES[1:])
+def test_mtp_sits_beside_the_lm_head_on_rank_0_with_megatrons_layer_numbers(
+        pp2_tied_mtp_raw, name):
+    """Megatron's 1F1B builds the MTP block on the last pipeline rank, a V on rank 0 (stage
+    2p-1, chunk 1), with the same layer numbers (megatron-core 0.16: num_layers + depth)."""
+    where = {}
+    for values in pp2_tied_mtp_raw:
+        for schedule in ("1f1b", name):
+            numbers = values[schedule][-1]["mtp_layers"]
+            if numbers:
+                where.setdefault(schedule, set()).add((values[schedule][0]["pp_rank"],
+                                                       tuple(numbers)))
+    assert {rank for rank, _ in where["1f1b"]} == {1}
+    assert {rank for rank, _ in where[name]} == {0}
+    assert {n for _, n in where["1f1b"]} == {n for _, n in where[name]}
+    assert len({n for _, n in where[name]}) == 1 and len(next(iter(where[name]))[1]) == 2
+
+
 VERSIONS = pytest.mark.megatron_versions
 """CI runs these under megatron-core 0.19.2 too (.ci/megatron-0.19): V model build (uneven
 layers through megatron's placement functions), losses and gradients equal to megatron's own
@@ -109,7 +152,8 @@ tensor- and sequence-parallel linears), checkpoints between V and standard model
 FIXTURES = [pytest.param("pp2_untied", marks=VERSIONS), pytest.param("pp4_tied", marks=VERSIONS),
             pytest.param("pp2_dp2_tied_overlap", marks=VERSIONS), "pp2_distopt_tied",
             "pp2_tp2_tied", pytest.param("pp2_tp2_sp_ddp", marks=VERSIONS),
-            pytest.param("pp4_uneven_tied", marks=VERSIONS)]
+            pytest.param("pp4_uneven_tied", marks=VERSIONS),
+            pytest.param("pp2_tied_mtp", marks=VERSIONS)]
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)

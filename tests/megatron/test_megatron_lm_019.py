@@ -23,9 +23,9 @@ import pytest
 
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
 from support.megatron_lm_tier import (
-    ITERS, MOE_CASES, PP4, TINY_GPT, Runs, assert_same_moe_metrics, assert_same_training,
-    initial_checkpoint, resumed, schedule_flags, trained, under_torchrun, uneven_runs,
-    uneven_zb1p_runs)
+    ITERS, MOE_CASES, MTP_CASES, PP4, TINY_GPT, Runs, assert_same_moe_metrics,
+    assert_same_mtp_losses, assert_same_training, initial_checkpoint, resumed, schedule_flags,
+    trained, under_torchrun, uneven_runs, uneven_zb1p_runs)
 
 pytestmark = pytest.mark.megatron_versions
 
@@ -107,6 +107,30 @@ def test_moe_with_expert_parallelism_trains_like_1f1b(runs):
     got = trained(runs, "moe-ep", model, "v-half")
     assert_same_training(got, reference, "0.19 moe-ep v-half")
     assert_same_moe_metrics(got, reference, "0.19 moe-ep v-half")
+
+
+@pytest.mark.parametrize("case,schedule", [
+    (case, schedule) for case in sorted(MTP_CASES) for schedule in ("v-min", "v-half", "v-zb",
+                                                                    "auto")] +
+    [("mtp-pp4", "zb-1p")])
+def test_multi_token_prediction_trains_like_1f1b(runs, case, schedule):
+    """tests/megatron/test_megatron_lm_mtp.py's models (PP 2 x DP 2 with one MTP layer, PP 4
+    with two): 1f1b's losses, grad norms and logged MTP losses (megatron-core 0.19's tracker,
+    with its acceptance counts relayed too), the MTP layers' weight gradients in W."""
+    reference = trained(runs, case, MTP_CASES[case], "1f1b")
+    got = trained(runs, case, MTP_CASES[case], schedule)
+    assert_same_training(got, reference, f"0.19 {case} {schedule}")
+    assert_same_mtp_losses(got, reference, f"0.19 {case} {schedule}")
+    assert "weight gradients in B" not in got.log(0)
+
+
+@pytest.mark.parametrize("saved_by,resumed_by", [("v-half", "1f1b"), ("1f1b", "v-half")])
+def test_multi_token_prediction_resumes_under_another_schedule(runs, saved_by, resumed_by):
+    uninterrupted = trained(runs, "mtp-pp2", MTP_CASES["mtp-pp2"], "1f1b")
+    got = resumed(runs, "mtp-pp2", MTP_CASES["mtp-pp2"], saved_by, resumed_by)
+    label = f"0.19 mtp-pp2 {saved_by} -> {resumed_by}"
+    assert_same_training(got, uninterrupted, label, first=3)
+    assert_same_mtp_losses(got, uninterrupted, label, first=3)
 
 
 @pytest.mark.parametrize("model,saved_by,resumed_by", [

@@ -68,7 +68,11 @@ def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
      "stage s lives on rank s % p"),
     (["--pipeline-schedule", "v-half"], {"account_for_loss_in_pipeline_split": True},
      "num_layers = k x PP - 2"),
-    (["--pipeline-schedule", "auto"], {"mtp_num_layers": 1}, "a third copy of the tied weight"),
+    (["--pipeline-schedule", "auto"], {"mtp_num_layers": 1, "save": "ckpt",
+                                       "untie_embeddings_and_output_weights": True,
+                                       "ckpt_fully_parallel_save": True,
+                                       "tensor_model_parallel_size": 1, "world_size": 8},
+     "with --mtp-num-layers the latter"),
     (["--pipeline-schedule", "v-half"], {"save": "ckpt", "untie_embeddings_and_output_weights":
                                          False, "ckpt_fully_parallel_save": True,
                                          "tensor_model_parallel_size": 1, "world_size": 8},
@@ -194,6 +198,24 @@ def test_tied_embeddings_save_under_data_parallel_with_a_way_out():
     check_arguments(_args(["--pipeline-schedule", "v-half"], **dict(tied, world_size=4)))
     check_arguments(_args(["--pipeline-schedule", "v-half"], **dict(tied, save=None)))
     check_arguments(_args(["--pipeline-schedule", "1f1b"], **tied))
+
+
+@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto", "zb-1p"])
+def test_multi_token_prediction_is_accepted(schedule):
+    """--mtp-num-layers runs under every schedule of the plugin, tied or untied
+    (tests/megatron/test_megatron_lm_mtp.py); under a V with DP > 1 a checkpoint is saved
+    without megatron's fully parallel save (the MTP block's embedding copy is a second replica
+    on rank 0, as a tied LM head's is)."""
+    mtp = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1, save="ckpt",
+               untie_embeddings_and_output_weights=True, ckpt_fully_parallel_save=True,
+               tensor_model_parallel_size=1, world_size=4)
+    check_arguments(_args(["--pipeline-schedule", schedule], **mtp))
+    check_arguments(_args(["--pipeline-schedule", schedule],
+                          **dict(mtp, untie_embeddings_and_output_weights=False)))
+    check_arguments(_args(["--pipeline-schedule", schedule],
+                          **dict(mtp, world_size=8, ckpt_fully_parallel_save=False)))
+    if schedule == "zb-1p":
+        check_arguments(_args(["--pipeline-schedule", schedule], **dict(mtp, world_size=8)))
 
 
 def test_the_papers_uneven_layer_counts_are_accepted():

@@ -5,8 +5,8 @@ on 4 gloo processes, as tests/megatron/test_megatron_lm_e2e.py runs it).
 The refusals themselves are unit-tested on an argument namespace (tests/megatron/test_megatron_lm_args.py,
 PIPELINE_REFUSALS); here a few go through the script's real parse_args and validate_args, and
 what runs on CPU is run against 1f1b on the same flags: activation recomputation (its
-backward re-runs the forward) and multi-token prediction under zb-1p (extra layers and loss on
-the last stage; refused under a V).
+backward re-runs the forward). Multi-token prediction has its own tier
+(tests/megatron/test_megatron_lm_mtp.py, every schedule of the plugin).
 """
 from __future__ import annotations
 
@@ -110,24 +110,6 @@ def test_activation_recomputation_trains_like_1f1b(launch, schedule, recompute):
               "seconds": round(result.seconds, 1)}
     print(schedule, recompute, report)
     assert report["loss"] <= REL and report["grad_norm"] <= REL, report
-
-
-def test_multi_token_prediction_under_zb1p_trains_like_1f1b(launch):
-    """--mtp-num-layers 1 (rope, untied embeddings: megatron-core 0.16 cannot save an MTP
-    checkpoint with tied ones, under its own 1f1b too): the MTP layer's linears split in W."""
-    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion",
-           "--untie-embeddings-and-output-weights"]
-    start = launch.root / "init-mtp" / "checkpoint"
-    launch("init-mtp", mtp + ["--pipeline-schedule", "1f1b", "--train-iters", "1", "--save",
-                              str(start), "--save-interval", "1"])
-    resume = ["--load", str(start), "--finetune", "--train-iters", str(ITERS)]
-    want, _ = launch("mtp-1f1b", mtp + ["--pipeline-schedule", "1f1b", *resume])
-    got, result = launch("mtp-zb-1p", mtp + ["--pipeline-schedule", "zb-1p", *resume])
-    assert got.iterations() == want.iterations() == list(range(1, ITERS + 1))
-    loss = max(map(_rel, got.losses(), want.losses()))
-    norm = max(map(_rel, got.grad_norms(), want.grad_norms()))
-    print("zb-1p mtp", {"loss": loss, "grad_norm": norm, "seconds": round(result.seconds, 1)})
-    assert loss <= REL and norm <= REL
 
 
 PRECISION = {

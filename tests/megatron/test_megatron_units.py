@@ -109,6 +109,25 @@ def test_mirrored_group_reports_the_v_rank():
     assert (mirrored.rank(), mirrored.size(), mirrored.name) == (2, 4, "pp")
 
 
+def test_parallel_state_reports_a_v_chunks_placement_while_it_is_built():
+    """What megatron's placement queries read while build_v_chunk builds a chunk (the mirrored
+    rank, two chunks per rank: MTP and the layer specs ask parallel_state), and the previous
+    settings back afterwards, an error inside included."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_vshape.megatron.model import parallel_state_reports
+
+    before = ps.get_virtual_pipeline_model_parallel_world_size()
+    with pytest.raises(RuntimeError):
+        with parallel_state_reports(3):
+            assert ps.get_pipeline_model_parallel_rank() == 3
+            assert ps.get_virtual_pipeline_model_parallel_world_size() == 2
+            assert not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=0)
+            raise RuntimeError("a failing build")
+    assert getattr(ps, "_MPU_PIPELINE_MODEL_PARALLEL_RANK") is None
+    assert ps.get_virtual_pipeline_model_parallel_world_size() == before
+
+
 def test_uneven_layers_come_from_rank_0_first():
     from megatron_vshape.megatron.layers import stage_layers
 

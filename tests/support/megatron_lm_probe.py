@@ -9,7 +9,9 @@ For MoE models it also records what training_log adds to the logged loss dict fo
 metrics (load_balancing_loss, z_loss, ...): core_v0.16.1's training.py:1974 calls
 ``track_moe_metrics`` (imported by name at :144), the 0.19-era training.py:2782
 ``get_moe_metrics_tracker().report``; both add the PP-reduced, microbatch-scaled per-layer
-sums to ``total_loss_dict``.
+sums to ``total_loss_dict``. With multi-token prediction it records what training_log's
+``MTPLossLoggingHelper.track_mtp_metrics`` adds there ("mtp_1 loss", ...: the DP-averaged,
+microbatch-scaled MTP losses; core_v0.16.1 training.py:1992, 0.19-era :2800).
 Without that variable nothing is written. Test support only, like megatron_lm_cpu.
 """
 from __future__ import annotations
@@ -69,6 +71,7 @@ def install_probe() -> None:
         return result
 
     _probe_moe_metrics(training)
+    _probe_mtp_metrics(training)
     probed_train_step.vshape_probe = True
     training.train_step = probed_train_step
     training.evaluate_and_print_results = probed_evaluate_and_print
@@ -99,6 +102,26 @@ def _probe_moe_metrics(training) -> None:
         tracker.report = _moe_metrics_recorder(tracker.report)
 
 
+def _probe_mtp_metrics(training) -> None:
+    """Record what ``track_mtp_metrics(loss_scale, iteration, writer, wandb_writer,
+    total_loss_dict)`` adds to ``total_loss_dict`` (both releases call it so, positionally)."""
+    helper = getattr(training, "MTPLossLoggingHelper", None)
+    if helper is None:
+        return
+    original = helper.track_mtp_metrics
+
+    @functools.wraps(original)
+    def recorded(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None):
+        before = {k: float(v) for k, v in (total_loss_dict or {}).items()}
+        result = original(loss_scale, iteration, writer, wandb_writer, total_loss_dict)
+        added = {k: float(v) - before.get(k, 0.0) for k, v in (total_loss_dict or {}).items()
+                 if k.startswith("mtp_")}
+        if added:
+            _write({"kind": "mtp", "iteration": iteration, "loss": added})
+        return result
+    helper.track_mtp_metrics = staticmethod(recorded)
+
+
 @dataclass
 class Records:
     """One rank's records: ``train[i]`` = iteration i+1's {'loss', 'grad_norm', ...}."""
@@ -107,12 +130,13 @@ class Records:
     evals: list = field(default_factory=list)
     moe: list = field(default_factory=list)
     """Iterations' MoE metrics as logged ({'iteration', 'loss': {'load_balancing_loss', ..}})."""
+    mtp: list = field(default_factory=list)
+    """Iterations' MTP losses as logged ({'iteration', 'loss': {'mtp_1 loss', ..}})."""
 
     def since(self, iteration: int) -> "Records":
         """Training records from ``iteration`` on, and the evaluations run there."""
-        return Records([e for e in self.train if e["iteration"] >= iteration],
-                       [e for e in self.evals if e["iteration"] >= iteration],
-                       [e for e in self.moe if e["iteration"] >= iteration])
+        return Records(*([e for e in events if e["iteration"] >= iteration]
+                         for events in (self.train, self.evals, self.moe, self.mtp)))
 
     def losses(self, key: str = "lm loss") -> list:
         return [event["loss"][key] for event in self.train]
@@ -127,6 +151,10 @@ class Records:
         """(iteration, value) of a logged MoE metric, one per training iteration."""
         return [(event["iteration"], event["loss"][key]) for event in self.moe]
 
+    def mtp_losses(self, key: str = "mtp_1 loss") -> list:
+        """(iteration, value) of a logged MTP loss, one per training iteration."""
+        return [(event["iteration"], event["loss"][key]) for event in self.mtp]
+
     def eval_losses(self, key: str = "lm loss") -> list:
         return [(event["prefix"], event["iteration"], event["loss"][key]) for event in self.evals]
 
@@ -137,6 +165,6 @@ def read_records(folder: str | Path, rank: int) -> Records:
     path = Path(folder) / f"rank{rank}.jsonl"
     for line in path.read_text(encoding="utf-8").splitlines():
         event = json.loads(line)
-        {"train": records.train, "eval": records.evals, "moe": records.moe}[
-            event["kind"]].append(event)
+        {"train": records.train, "eval": records.evals, "moe": records.moe,
+         "mtp": records.mtp}[event["kind"]].append(event)
     return records

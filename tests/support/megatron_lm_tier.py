@@ -18,10 +18,10 @@ from pathlib import Path
 from support.megatron_lm_launch import REPO, Launcher, RunResult, megatron_lm_env
 from support.megatron_lm_probe import Records, read_records
 
-__all__ = ["SCRIPT", "REL", "ITERS", "TINY_GPT", "PP4", "MOE_CASES", "Run", "Runs",
-           "assert_same_training", "assert_same_moe_metrics", "schedule_flags",
-           "initial_checkpoint", "trained", "resumed", "under_torchrun", "uneven_runs",
-           "uneven_zb1p_runs"]
+__all__ = ["SCRIPT", "REL", "ITERS", "TINY_GPT", "PP4", "MOE_CASES", "MTP_CASES", "Run", "Runs",
+           "assert_same_training", "assert_same_moe_metrics", "assert_same_mtp_losses",
+           "schedule_flags", "initial_checkpoint", "trained", "resumed", "under_torchrun",
+           "uneven_runs", "uneven_zb1p_runs"]
 
 SCRIPT = REPO / "scripts" / "pretrain_gpt_vshape.py"
 REL = 1e-5
@@ -120,6 +120,23 @@ def assert_same_moe_metrics(run: Run, reference: Run, label: str, first: int = 1
     return report
 
 
+def assert_same_mtp_losses(run: Run, reference: Run, label: str, first: int = 1) -> dict:
+    """The MTP losses Megatron-LM logs ("mtp_1 loss", ...: averaged over data parallel ranks,
+    scaled by 1 / microbatches) of iterations ``first``..ITERS equal the reference's (REL)."""
+    got, want = run.records.since(first), reference.records.since(first)
+    names = sorted(want.mtp[0]["loss"]) if want.mtp else []
+    assert names, f"{label}: the reference logged no MTP loss"
+    report = {"case": label}
+    for name in names:
+        assert [i for i, _ in got.mtp_losses(name)] == list(range(first, ITERS + 1)), \
+            f"{label}: {name} logged for iterations {[i for i, _ in got.mtp_losses(name)]}"
+        report[name] = max(_rel(a, b) for (_, a), (_, b) in
+                           zip(got.mtp_losses(name), want.mtp_losses(name)))
+    print(report)
+    assert all(report[name] <= REL for name in names), report
+    return report
+
+
 PP4 = ["--pipeline-model-parallel-size", "4"]
 
 _MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
@@ -151,6 +168,25 @@ megatron's fully parallel save cannot save a V (megatron_lm's refusal says why).
 moe-edp have no linear biases: megatron-core 0.16's experts add their bias in place to the
 output of a RowParallelLinear that returns its input as a view with EP 1
 (core/transformer/mlp.py:247), which autograd refuses under every schedule, 1f1b included."""
+
+
+_MTP = ["--position-embedding-type", "rope", "--no-rope-fusion",
+        "--untie-embeddings-and-output-weights"]
+MTP_CASES = {
+    "mtp-pp2": ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1",
+                "--use-distributed-optimizer", "--no-ckpt-fully-parallel-save"] + _MTP,
+    "mtp-pp4": PP4 + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"] + _MTP,
+}
+"""The multi-token prediction tiers' models on top of TINY_GPT (rope: Megatron-LM allows MTP with
+rope or no position embeddings only): mtp-pp2, PP 2 x DP 2 with one MTP layer (the logged loss
+averaged over DP) and the distributed optimizer (the embedding and the V's copy of it each in a
+bucket of their own, sharded alike, as megatron's DDP does for a shared embedding), saved
+without megatron's fully parallel save (with it a V cannot save at DP > 1, features.py's refusal
+says why); mtp-pp4, two MTP layers and a loss scaling factor of 0.3. Both untie the embeddings:
+megatron-core cannot save or load an MTP model with tied ones at PP > 1, under its own 1f1b too
+(its MTP stage builds an ``output_layer.weight`` the tied state dict refuses: 0.16
+language_module.py:343, 0.19 :497), so no comparison could start from a common checkpoint;
+tests/megatron/test_megatron_gloo.py proves tied MTP on megatron-core alone."""
 
 
 def schedule_flags(schedule: str) -> list:

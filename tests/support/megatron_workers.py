@@ -56,11 +56,25 @@ def forward_step(data_iterator, model):
 
 
 def _gpt_provider():
-    """GPTModel for TEST_GPT; callers pass share_embeddings_and_output_weights."""
+    """GPTModel for TEST_GPT; callers pass share_embeddings_and_output_weights. With
+    ``config.mtp_num_layers`` the model gets megatron's MTP block spec where megatron's
+    placement puts it (asked per chunk, as Megatron-LM's gpt_builder does) and rotary position
+    embeddings (Megatron-LM allows MTP with rope or none only)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    return partial(GPTModel, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                   max_sequence_length=SEQ)
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
+
+    def provider(config, pre_process=True, post_process=True, vp_stage=None, pg_collection=None,
+                 **kwargs):
+        spec = get_gpt_layer_local_spec()
+        if getattr(config, "mtp_num_layers", None):
+            kwargs.update(position_embedding_type="rope", mtp_block_spec=get_gpt_mtp_block_spec(
+                config, spec, use_transformer_engine=False, vp_stage=vp_stage))
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                        max_sequence_length=SEQ, pre_process=pre_process,
+                        post_process=post_process, vp_stage=vp_stage,
+                        pg_collection=pg_collection, **kwargs)
+    return provider
 
 
 def compare_runs(rank, world, schedules, num_layers, num_microbatches, steps, tied, pp=None,
@@ -179,8 +193,9 @@ def _grad_buffers(chunk):
 
 
 def _allreduce_tied_grads(model):
-    """What megatron's finalize_model_grads does for tied embeddings (it needs DDP-wrapped
-    models, which these plain reference runs are not): sum the first and last rank's grads."""
+    """What megatron's finalize_model_grads does for tied embeddings and MTP's embedding copy
+    (it needs DDP-wrapped models, which these plain reference runs are not): sum the first and
+    last rank's grads."""
     from megatron.core import parallel_state as ps
     if ps.is_rank_in_embedding_group():
         weight = model.shared_embedding_or_output_weight()
@@ -264,7 +279,7 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False, options=N
                         num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
                         forward_only=False)
         seconds = time.perf_counter() - begin
-        if tied and reference:
+        if reference and (tied or getattr(config, "mtp_num_layers", None)):
             _allreduce_tied_grads(chunks[0])
         out.append({"losses": [tiny_gpt.loss_value(d) for d in losses], "dp": dp,
                     "pp_rank": ps.get_pipeline_model_parallel_rank(),
@@ -284,7 +299,21 @@ def _train(chunks, fb, num_microbatches, steps, tied, reference=False, options=N
                     data[0], model=chunks, num_microbatches=num_microbatches, seq_length=SEQ,
                     micro_batch_size=MBS, forward_only=True)
     out[-1]["eval"] = [tiny_gpt.loss_value(d) for d in evaluation]
+    out[-1]["mtp_layers"] = _mtp_layer_numbers(chunks)
     return out
+
+
+def _mtp_layer_numbers(chunks) -> list:
+    """The layer numbers of this rank's MTP layers' transformer layers (megatron-core 0.16:
+    num_layers + depth; 0.19: the depth), in build order."""
+    from megatron.core.utils import unwrap_model
+
+    numbers = []
+    for chunk in unwrap_model(list(chunks)):
+        for layer in getattr(getattr(chunk, "mtp", None), "layers", []):
+            inner = getattr(layer, "transformer_layer", None) or layer.mtp_model_layer
+            numbers.append(inner.layer_number)
+    return numbers
 
 
 def _named_values(chunks):
