@@ -25,7 +25,16 @@ import types
 import torch
 
 __all__ = ["install_megatron_lm_cpu_patches", "install_moe_cpu_patches", "configure_run",
-           "use_fused_adam", "CpuFusedAdam", "TORCH_ADAMW"]
+           "use_fused_adam", "CpuFusedAdam", "TORCH_ADAMW", "TE_STAND_IN", "TE_STAND_IN_PATH"]
+
+TE_STAND_IN = "VSHAPE_TE_STAND_IN"
+"""Set to 1 in the environment of a process (a launch server, a torchrun) whose Megatron-LM
+runs should see Transformer Engine: support/te_stand_in's CPU stand-in is put first on sys.path
+before megatron is imported (:func:`install_megatron_lm_cpu_patches`). Read once, at import
+time of megatron: megatron decides HAVE_TE when its modules are imported, so one process either
+has TE or has not (support.megatron_lm_launch.Launcher(te_stand_in=True) starts its own server)."""
+TE_STAND_IN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_stand_in")
+"""The folder that holds the stand-in package ``transformer_engine``."""
 
 
 class _NoStream:
@@ -308,10 +317,27 @@ def install_moe_cpu_patches() -> None:
     mappings._AllToAll.forward = staticmethod(int_splits)
 
 
+def _use_te_stand_in() -> bool:
+    """With $VSHAPE_TE_STAND_IN=1: the Transformer Engine stand-in first on sys.path (before any
+    megatron import), checked to be the stand-in and not a real TE. Whether TE is there."""
+    if os.environ.get(TE_STAND_IN) != "1":
+        return False
+    if "megatron.core" in sys.modules and "transformer_engine" not in sys.modules:
+        raise RuntimeError(f"{TE_STAND_IN}=1 must be set before megatron is imported")
+    if TE_STAND_IN_PATH not in sys.path:
+        sys.path.insert(0, TE_STAND_IN_PATH)
+    import transformer_engine
+
+    if not getattr(transformer_engine, "STAND_IN", False):
+        raise RuntimeError(f"{TE_STAND_IN}=1 imported {transformer_engine.__file__}, not the stand-in")
+    return True
+
+
 def install_megatron_lm_cpu_patches() -> None:
     """Apply every patch (idempotent); before Megatron-LM's training code runs."""
     if getattr(torch, "_vshape_megatron_lm_cpu", False):
         return
+    with_te = _use_te_stand_in()
     _let_megatron_import()
     _stand_in_batch_invariant_kernels()
     from megatron_vshape.harness.cpu import allow_sequence_parallel_norms, install_cpu_shims
@@ -319,7 +345,10 @@ def install_megatron_lm_cpu_patches() -> None:
     install_cpu_shims()
     # Megatron-LM's local spec takes megatron's torch norm, which refuses --sequence-parallel
     # (the norms that accept it are apex/TE GPU builds): the CPU stand-in computes the same.
-    allow_sequence_parallel_norms()
+    # With Transformer Engine (the stand-in) megatron takes TE's norms, which accept it
+    # (core/transformer/transformer_block.py:54-61 LayerNormImpl = TENorm).
+    if not with_te:
+        allow_sequence_parallel_norms()
     _patch_torch()
     _patch_megatron_lm()
     install_moe_cpu_patches()
