@@ -25,7 +25,7 @@ import torch
 from ..runtime.wgrad import WeightGradStore, accumulate_grad
 
 __all__ = ["patch_linear", "unpatch_linear", "defer_weight_grads", "store_of", "te_wgrad_modules",
-           "with_te_delay_wgrad"]
+           "with_te_delay_wgrad", "mark_te_delayed_parameters"]
 
 _STORE = "vshape_wgrad_store"
 _HOOKS = "vshape_wgrad_hooks"
@@ -173,7 +173,41 @@ def defer_weight_grads(chunk: torch.nn.Module, store: WeightGradStore,
             weight.skip_backward_post_hook = True
             module.register_wgrad_accumulation_and_reduce_hooks = getattr(weight, _HOOKS).append
         count += 1
+    if mark_for_ddp:
+        mark_te_delayed_parameters(chunk)
     return count
+
+
+def mark_te_delayed_parameters(chunk: torch.nn.Module) -> int:
+    """Mark ``skip_backward_post_hook`` on every weight and bias of the chunk's TE linears
+    built with delay_wgrad_compute, as TE marks them when it builds them (TE v2.11
+    linear.py:1305-1309, layernorm_linear.py:1403-1406, grouped_linear.py:707-711): DDP then
+    registers their gradient hooks through the module, and ``backward_dw`` calls them in W.
+
+    With --use-cpu-initialization megatron replaces the bias of its column- and row-parallel
+    TE linears by a new Parameter after TE built them (megatron-core 0.16.1
+    extensions/transformer_engine.py:869, 1008, 1109; 0.19.2 :1307, :1466, :1723), which has no
+    mark: DDP would hook it on autograd's accumulator, which a bias computed inside TE's
+    delayed GEMM never reaches (its gradient arrives in W), and its gradient would never get
+    to ``main_grad``. Returns how many parameters were marked (call before DDP wraps the
+    chunk)."""
+    count = 0
+    for module in te_wgrad_modules(chunk):
+        for name in _te_parameter_names(module):
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter):
+                param.skip_backward_post_hook = True
+                count += 1
+    return count
+
+
+def _te_parameter_names(module) -> list:
+    """A TE linear's weight and bias names (``weight``/``bias``; GroupedLinear's
+    ``weight{i}``/``bias{i}``)."""
+    if hasattr(module, "num_gemms"):
+        return [f"{kind}{i}" for kind in ("weight", "bias") for i in range(module.num_gemms)]
+    return list(getattr(module, "weight_names", ["weight"])) + \
+        list(getattr(module, "bias_names", ["bias"]))
 
 
 def store_of(chunk: torch.nn.Module) -> WeightGradStore:
