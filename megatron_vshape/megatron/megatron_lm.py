@@ -198,11 +198,17 @@ _PIPELINE_REFUSALS = (
              "runs its own point-to-point communication (async sends and receives, one process "
              "group per stream, the default backend): drop --use-ring-exchange-p2p / "
              "--pipeline-model-parallel-comm-backend (they would be ignored)"),
-    _Refusal(lambda a: _moe(a) and _on(a, "moe_grouped_gemm"),
-             "is not tested with grouped-GEMM experts (--moe-grouped-gemm: TE's grouped linear "
-             "or the grouped_gemm package, GPU only, no CPU test runs them, and the local B/W "
-             "split does not cover them): drop --moe-grouped-gemm (SequentialMLP experts, "
-             "whose fc1/fc2 weight gradients run in W), or use --pipeline-schedule 1f1b"),
+    _Refusal(lambda a: _moe(a) and _on(a, "moe_grouped_gemm")
+             and (getattr(a, "transformer_impl", "") != "transformer_engine"
+                  or _on(a, "moe_use_legacy_grouped_gemm")),
+             "runs grouped-GEMM experts (--moe-grouped-gemm) as Transformer Engine's "
+             "GroupedLinear only (--transformer-impl transformer_engine: TEGroupedMLP, whose "
+             "weight gradients TE's own split runs in W); megatron's legacy GroupedMLP "
+             "(--moe-use-legacy-grouped-gemm, or --transformer-impl local with megatron-core "
+             "0.16) computes them inside the grouped_gemm package's GEMM, which no split "
+             "covers: use --transformer-impl transformer_engine, or drop --moe-grouped-gemm "
+             "(SequentialMLP experts, whose fc1/fc2 weight gradients run in W), or use "
+             "--pipeline-schedule 1f1b"),
     _Refusal(lambda a: _moe(a) and getattr(a, "moe_token_dispatcher_type", "allgather")
              not in ("allgather", "alltoall"),
              "is tested with the allgather and alltoall token dispatchers only (the flex "

@@ -19,10 +19,14 @@ each module for ``register_wgrad_accumulation_and_reduce_hooks`` for weights mar
 from __future__ import annotations
 
 import functools
+import logging
+from collections import Counter
 
 import torch
 
 from ..runtime.wgrad import WeightGradStore, accumulate_grad
+
+log = logging.getLogger(__name__)
 
 __all__ = ["patch_linear", "unpatch_linear", "defer_weight_grads", "store_of", "te_wgrad_modules",
            "with_te_delay_wgrad", "mark_te_delayed_parameters"]
@@ -192,12 +196,17 @@ def mark_te_delayed_parameters(chunk: torch.nn.Module) -> int:
     to ``main_grad``. Returns how many parameters were marked (call before DDP wraps the
     chunk)."""
     count = 0
-    for module in te_wgrad_modules(chunk):
+    modules = te_wgrad_modules(chunk)
+    for module in modules:
         for name in _te_parameter_names(module):
             param = getattr(module, name, None)
             if isinstance(param, torch.nn.Parameter):
                 param.skip_backward_post_hook = True
                 count += 1
+    if modules:
+        log.info("[vshape] W passes call Transformer Engine's backward_dw of %s",
+                 ", ".join(f"{name} x{n}" for name, n in
+                           sorted(Counter(type(m).__name__ for m in modules).items())))
     return count
 
 

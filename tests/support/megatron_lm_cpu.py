@@ -134,6 +134,9 @@ def _patch_torch() -> None:
                  "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *args, **kwargs: 0)
     torch.cuda.memory_stats = lambda *args, **kwargs: {}
+    # arguments.py:852-854 asserts a compute capability >= 8 for --moe-grouped-gemm (0.19:
+    # arguments.py:1338-1340): answer as a Hopper GPU, as get_device_arch_version below.
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
     # core/optimizer/clip_grads.py:167, core/optimizer/optimizer.py:671/690 and
     # core/optimizer/distrib_optimizer.py:361/420/582 compare Tensor.type() with
     # 'torch.cuda.FloatTensor' / 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' (0.19.2:
