@@ -12,7 +12,7 @@ extensions/transformer_engine.py:206-215 ``fp8_autocast(enabled=False)``).
 Where FP8 will go: the modules ask :class:`FP8GlobalStateManager` in
 ``TransformerEngineBaseModule.init_fp8_metadata`` (module/base.py) as TE does (base.py:971-1026),
 and the linears call ``_quantized_weight`` / ``_quantized_input`` hooks (module/base.py) where TE
-quantizes (linear.py:173-241, 263-297); with FP8 off those hooks return the tensors unchanged.
+quantizes (linear.py:173-241, 250-281); with FP8 off those hooks return the tensors unchanged.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ weight gradients: ``register_wgrad_accumulation_and_reduce_hooks`` (:1463-1471) 
 
 Where TE v2.11 would quantize (FP8) the stand-in has two hooks that return their tensor
 unchanged, so that FP8 can be added in one place: :meth:`_quantized_input` and
-:meth:`_quantized_weight`, the latter keyed as TE's weight-cast cache is (linear.py:283-297:
+:meth:`_quantized_weight`, the latter keyed as TE's weight-cast cache is (linear.py:267-277:
 ``cache_name`` "weight" unless ``is_first_microbatch`` is None, refreshed when
 ``is_first_microbatch`` is None or True).
 """
@@ -164,15 +164,15 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _quantized_input(self, inp: torch.Tensor) -> torch.Tensor:
         """Where TE quantizes the GEMM input (linear.py:173-241); FP8 off: the input cast to the
-        activation dtype (linear.py:203, 229)."""
+        activation dtype (linear.py:205, 239)."""
         return cast_if_needed(inp, self.activation_dtype)
 
     def _quantized_weight(self, weight: torch.Tensor, cache_name: str,
                           is_first_microbatch: Optional[bool]) -> torch.Tensor:
-        """Where TE casts the weight for the GEMM (linear.py:263-299), with FP8 into a workspace
+        """Where TE casts the weight for the GEMM (linear.py:250-281), with FP8 into a workspace
         cached under ``cache_name`` (None when ``is_first_microbatch`` is None) and refreshed
         when ``is_first_microbatch`` is None or True; FP8 off: the weight cast to the
-        activation dtype (linear.py:298-299)."""
+        activation dtype (linear.py:280-281)."""
         return cast_if_needed(weight, self.activation_dtype)
 
     # -- checkpoints ------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The input's rows are split by ``m_splits`` (expert i gets the next ``m_splits[i]
 grouped_linear.py:146-152) and each split meets its own ``weight{i}`` / ``bias{i}``
 (:667-698); the outputs are concatenated in the same order (:191-208, :303). No tensor-parallel
 communication happens inside: ``tp_size`` and ``parallel_mode`` only shape the weights, the MoE
-dispatcher communicates (the class doc, :586-589), and a bias with TP > 1 is refused (:650-654).
+dispatcher communicates (the class doc, :583-586), and a bias with TP > 1 is refused (:650-654).
 
 Backward (:305-525): dgrad through every expert's weight; the weight gradients (and the bias
 gradients, which the GEMM computes when the bias went through it) are written into
@@ -135,7 +135,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                  save_original_input: bool = False, name: Optional[str] = None) -> None:
         super().__init__()
         assert not ub_overlap_rs and not ub_overlap_ag, \
-            "GroupedLinear doesn't support Userbuffer overlap."  # :623-625
+            "GroupedLinear doesn't support Userbuffer overlap."  # :626-628
         params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation

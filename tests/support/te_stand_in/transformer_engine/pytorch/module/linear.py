@@ -185,7 +185,7 @@ class Linear(TransformerEngineBaseModule):
         elif parallel_mode == "row":
             self.in_features = divide(self.in_features, self.tp_size)
         self.sequence_parallel = self.tp_size > 1 and sequence_parallel  # :1138
-        self.weight_names, self.bias_names = ["weight"], ["bias"]  # :1210-1215
+        self.weight_names, self.bias_names = ["weight"], ["bias"]  # :1207-1213
         _register_weight_and_bias(self, init_method, get_rng_state_tracker, params_dtype, device)
         self.reset_parameters(defer_init=device == "meta")
         # :1298-1302: a row-parallel bias is added after the reduction, not in the GEMM
