@@ -245,10 +245,14 @@ def with_te_delay_wgrad(config):
 
     TransformerConfig.__post_init__ accepts delay_wgrad_compute only together with MoE
     overlap_moe_expert_parallel_comm; the TE wrappers read the field when they are built, so
-    setting it on a copy after validation enables TE's split for dense layers too.
+    setting it on a copy after validation enables TE's split for dense layers too. A shallow
+    copy (not ``dataclasses.replace``, which keeps only the dataclass fields): a V chunk's
+    config carries the V's stage layers as an attribute (layers.with_stage_layers), and
+    without it a TE model's chunk 1 got megatron's loop placement of --moe-layer-freq's dense
+    and MoE layers (another model than 1f1b's).
     """
-    import dataclasses
+    import copy
 
-    copy = dataclasses.replace(config)
-    copy.delay_wgrad_compute = True
-    return copy
+    delayed = copy.copy(config)
+    delayed.delay_wgrad_compute = True
+    return delayed

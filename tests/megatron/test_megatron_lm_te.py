@@ -21,6 +21,9 @@ with the installed megatron-core (core_v0.16.1 with 0.16.1, the 0.19 era with 0.
                   expert capacity with padding, linear biases (support.MOE_CASES["moe-ep"])
     te-moe-pp4    grouped-GEMM experts, PP 4, allgather, global aux loss, z-loss, a shared
                   expert of TE linears (MOE_CASES["moe-pp4"])
+    te-moe-edp    grouped-GEMM experts, PP 2 x DP 2 with EP 1 (every expert's gradient
+                  reduced over the expert-data-parallel group, overlapped, from W), distributed
+                  optimizer, dense and MoE layers mixed (MOE_CASES["moe-edp"]), v-half
     te-tp2pp2-sp  dense, TP 2 x PP 2 with sequence parallel (TE's own all-gathers and
                   reduce-scatters in its linears), v-min
 """
@@ -46,6 +49,7 @@ MODELS = {
     "te-pp4": TE + PP4,
     "te-moe-ep": GROUPED + MOE_CASES["moe-ep"],
     "te-moe-pp4": GROUPED + MOE_CASES["moe-pp4"],
+    "te-moe-edp": GROUPED + MOE_CASES["moe-edp"],
     "te-tp2pp2-sp": TE + ["--tensor-model-parallel-size", "2",
                           "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
 }
@@ -104,6 +108,20 @@ def test_grouped_gemm_experts_train_like_1f1b(runs, case, schedule):
                          "TERowParallelGroupedLinear")
     for rank in range(4):
         assert "weight gradients in B" not in got.log(rank), got.log(rank)[-2000:]
+
+
+def test_grouped_gemm_expert_gradients_over_expert_data_parallel_like_1f1b(runs):
+    """EP 1 on PP 2 x DP 2: both data-parallel ranks hold every expert; TE's backward_dw calls
+    DDP's hooks, which start the expert buckets' reduction over the expert-data-parallel group
+    (--overlap-grad-reduce). --moe-layer-freq mixes dense and MoE layers: before, turning on
+    TE's split copied the V chunk's config without the V's stage layers, and chunk 1 got
+    megatron's loop placement of the dense layer (loading 1f1b's checkpoint failed)."""
+    reference = trained(runs, "te-moe-edp", MODELS["te-moe-edp"], "1f1b")
+    got = trained(runs, "te-moe-edp", MODELS["te-moe-edp"], "v-half")
+    assert_same_training(got, reference, "te-moe-edp v-half")
+    assert_same_moe_metrics(got, reference, "te-moe-edp v-half")
+    _w_calls_backward_dw(got.log(0), "TEColumnParallelGroupedLinear",
+                         "TERowParallelGroupedLinear")
 
 
 def test_tensor_and_sequence_parallel_te_layers_train_like_1f1b(runs):
