@@ -25,10 +25,11 @@ def _one(fn, world=1):
 def test_modules_compute_what_torch_computes():
     """Linear (bias applied, and returned), LayerNormLinear (LayerNorm, zero-centred RMSNorm),
     GroupedLinear (one expert with no rows) and DotProductAttention (causal sbhd with
-    grouped-query heads, a "thd" pack of three documents): outputs and every gradient."""
+    grouped-query heads, a "thd" pack of three documents): outputs and every gradient; the RNG
+    tracker's fork, and checkpoint's recomputation with the tracker's states."""
     [result] = _one(workers.single_process_checks)
     assert result["version"] == "2.11.0"
-    for name in ("linear", "layernorm_linear", "grouped", "attention"):
+    for name in ("linear", "layernorm_linear", "grouped", "attention", "checkpoint"):
         assert result[name] <= TOL, (name, result[name])
 
 

@@ -44,7 +44,8 @@ def single_process_checks(rank, world) -> dict:
     te = _import_te()
     torch.manual_seed(0)
     return {"linear": _linear(te), "layernorm_linear": _layernorm_linear(te),
-            "grouped": _grouped(te), "attention": _attention(te), "version": te.__version__}
+            "grouped": _grouped(te), "attention": _attention(te),
+            "checkpoint": _checkpoint_with_tracker(te), "version": te.__version__}
 
 
 def _linear(te) -> float:
@@ -137,6 +138,36 @@ def _attention(te) -> float:
         sub = [t[start:end].transpose(0, 1) for t in (q, k, v)]
         parts.append(F.scaled_dot_product_attention(*sub, is_causal=True).transpose(0, 1))
     return max(worst, _diff(out, torch.cat(parts).reshape(9, 32)))
+
+
+def _checkpoint_with_tracker(te) -> float:
+    """CudaRNGStatesTracker forks a named state and keeps where it left off; checkpoint
+    recomputes a forward that draws dropout from the tracker with the states it first ran
+    with: the same gradients as without recomputation."""
+    tracker = te.pytorch.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 7)
+    outside = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outside)
+    torch.manual_seed(7)
+    assert torch.equal(first, torch.rand(3))
+    torch.set_rng_state(outside)
+    weight = _rand(4, 4, requires_grad=True)
+
+    def block(x):
+        with tracker.fork():
+            return F.dropout(x @ weight, p=0.5).square().sum()
+
+    x = _rand(5, 4)
+    saved = {k: v.clone() for k, v in tracker.get_states().items()}
+    block(x).backward()
+    direct = weight.grad.clone()
+    weight.grad = None
+    tracker.set_states(saved)
+    te.pytorch.checkpoint(block, x, distribute_saved_activations=False,
+                          get_rng_state_tracker=lambda: tracker, tp_group=None).backward()
+    return _diff(weight.grad, direct)
 
 
 # -- delay_wgrad_compute ------------------------------------------------------------------------
