@@ -28,7 +28,8 @@ from ..distributed import set_tensor_model_parallel_attributes
 from . import _gemm
 from ._common import WeightGradStore
 from .base import (TransformerEngineBaseModule, cast_if_needed, divide, get_default_init_method,
-                   init_method_constant, refuse)
+                   init_method_constant)
+from .linear import _set_tp
 
 __all__ = ["GroupedLinear"]
 
@@ -237,9 +238,3 @@ class GroupedLinear(TransformerEngineBaseModule):
         del grad_biases, wgrads, tensor_list
         for hook in self.wgrad_accumulation_and_reduce_hooks:
             hook()
-
-
-def _set_tp(module, tp_group, tp_size: int) -> None:
-    from .linear import _set_tp as set_tp
-
-    set_tp(module, tp_group, tp_size)

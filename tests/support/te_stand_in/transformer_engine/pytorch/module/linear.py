@@ -28,7 +28,8 @@ from .. import _comm
 from ..distributed import set_tensor_model_parallel_attributes
 from . import _gemm
 from ._common import WeightGradStore
-from .base import TransformerEngineBaseModule, cast_if_needed, divide, init_method_constant, refuse
+from .base import (TransformerEngineBaseModule, cast_if_needed, divide, get_default_init_method,
+                   init_method_constant, refuse)
 
 __all__ = ["Linear"]
 
@@ -236,8 +237,6 @@ def _register_weight_and_bias(module, init_method, get_rng_state_tracker, params
                               device) -> None:
     """linear.py:1253-1293: the weight with the init method under the RNG tracker, the bias
     zero-initialised; without a bias, an empty tensor attribute (:1290-1292)."""
-    from .base import get_default_init_method
-
     shape = (module.out_features, module.in_features)
     module.register_parameter(
         "weight", torch.nn.Parameter(torch.empty(shape, device=device, dtype=params_dtype)),
