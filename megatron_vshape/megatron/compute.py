@@ -190,6 +190,7 @@ def _last_pass_per_chunk(schedule: Schedule, rank: int, chunk_of: dict, kinds) -
 
 def _te_backward_dw(modules) -> None:
     for module in modules:
+        _grads_for_te_hooks(module)
         module.backward_dw()
 
 
@@ -208,6 +209,49 @@ def _check_forwards_in_order(schedule: Schedule, rank: int) -> None:
                                  "megatron's data iterators and first-microbatch flag need "
                                  "each stage's forwards in microbatch order")
             done[action.stage] = action.microbatch
+
+
+def _grads_for_te_hooks(module) -> None:
+    """Give a zero ``.grad`` to the parameters of a TE module that its ``backward_dw`` or the
+    hooks it calls would read without one.
+
+    TE's backward_dw (TE v2.11 module/base.py:1490-1501, grouped_linear.py:857-872) sets
+    ``bias.grad`` from the GEMM's bias gradient where the bias has none, then calls the hooks
+    megatron's DDP registered for the parameters TE marked ``skip_backward_post_hook``
+    (linear.py:1305-1309): they add ``.grad`` to ``main_grad`` and clear it, asserting that
+    it is there under --overlap-grad-reduce (megatron-core 0.16.1
+    distributed_data_parallel.py:427-446; 0.19.2 alike). Two kinds of parameter come to a W
+    without a gradient:
+
+    - a bias added outside TE's GEMM (row-parallel, or ``return_bias``: megatron's linear_proj
+      and fc2 add theirs themselves) gets its gradient from autograd in B, and TE's GEMM gives
+      None for it (an empty tensor in GroupedLinear, cpp_extensions/gemm.py:247-250). When a
+      stage runs two Bs before their Ws (zb-1p and the Vs do), the first W's hook takes the sum
+      of both and the second W finds none; with --use-cpu-initialization megatron replaces
+      that bias after TE built it (0.16.1 extensions/transformer_engine.py:1109) without
+      TE's mark, DDP's own hook takes its gradient in B, and every W finds none. TE then casts
+      the None: AttributeError (or a shape error for the empty tensor).
+    - with fuse_wgrad_accumulation a weight's gradient goes into ``main_grad`` and ``.grad``
+      holds B's dummy (linear.py:945-957), which the first W's hook clears: the second W's
+      hook asserts under --overlap-grad-reduce.
+
+    A zero gradient there adds nothing (the hook adds zeros, or nothing for a fused weight,
+    whose ``grad_added_to_main_grad`` B has set) and every W's hook still runs. Parameters whose
+    gradient backward_dw sets itself (unfused weights, biases inside the GEMM) are left alone.
+    """
+    bias_in_gemm = getattr(module, "apply_bias", False) and \
+        not getattr(module, "gemm_bias_unfused_add", False)
+    fused = getattr(module, "fuse_wgrad_accumulation", False)
+    for name, param in module.named_parameters(recurse=False):
+        if param.grad is not None:
+            continue
+        if name.startswith("bias"):
+            needs = getattr(module, "use_bias", False) and not bias_in_gemm
+        else:
+            needs = name.startswith("weight") and fused and \
+                getattr(param, "skip_backward_post_hook", False)
+        if needs:
+            param.grad = torch.zeros_like(param)
 
 
 def _check_w_follows_b(schedule: Schedule, rank: int) -> None:

@@ -102,6 +102,12 @@ def _moe(args) -> bool:
     return bool(getattr(args, "num_experts", None))
 
 
+def _te(args) -> bool:
+    """Transformer Engine layers (Megatron-LM's default --transformer-impl; a namespace
+    without the field is taken as local, the plugin's tests' stand-in namespaces)."""
+    return getattr(args, "transformer_impl", None) == "transformer_engine"
+
+
 def _data_parallel_size(args) -> int:
     """Data-parallel size from the world and model-parallel sizes (the checks run before
     Megatron-LM's validate_args computes args.data_parallel_size)."""
@@ -146,6 +152,7 @@ MOE = "tests/megatron/test_megatron_lm_moe.py"
 FLAGS = "tests/megatron/test_megatron_lm_flags.py"
 UNEVEN_ZB1P = "test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b (e2e, 0.19)"
 MTP = "tests/megatron/test_megatron_lm_mtp.py"
+TE = "tests/megatron/test_megatron_lm_te.py"
 
 SETTINGS = (
     # -- the shape of the pipeline ---------------------------------------------------------------
@@ -236,10 +243,10 @@ SETTINGS = (
             "every stage gets its pack's packed_seq_params; run with a stand-in of TE's "
             "packed (thd) attention", "tests/megatron/test_megatron_lm_sft.py"),
     Setting("--transformer-impl transformer_engine", ("transformer_impl",),
-            lambda a: getattr(a, "transformer_impl", None) == "transformer_engine", S, S,
-            "TE's own B/W split (delay_wgrad_compute, backward_dw in W); wiring tested on CPU "
-            "with stand-ins of TE's megatron wrappers",
-            "tests/megatron/test_megatron_lm_wgrad_split.py"),
+            _te, S, S,
+            "TE's own B/W split (delay_wgrad_compute, backward_dw in W), on a CPU stand-in of "
+            "TE v2.11 (tests/support/te_stand_in: linears, norms, attention, grouped linear; "
+            "dense at PP 4, TP 2 x PP 2 with sequence parallel)", TE),
     Setting("--bf16", ("bf16",), lambda a: _on(a, "bf16"), R, R,
             "bit-identical to 1f1b in the CPU loop; on GPUs, every schedule gives 1F1B's losses "
             "in bf16 on one H100 and one H200 (megatron-core with local layers)",
@@ -254,12 +261,25 @@ SETTINGS = (
             "seq, global aux and z losses, shared experts, --moe-layer-freq, capacity)",
             ("num_experts",), _moe, R, R,
             "equal to 1f1b with the logged load-balancing losses; experts' fc1/fc2 run W", MOE),
-    Setting("--moe-grouped-gemm", ("num_experts", "moe_grouped_gemm"),
-            lambda a: _moe(a) and _on(a, "moe_grouped_gemm"), X, X,
-            "is not tested with grouped-GEMM experts (--moe-grouped-gemm: TE's grouped linear "
-            "or the grouped_gemm package, GPU only, no CPU test runs them, and the local B/W "
-            "split does not cover them): drop --moe-grouped-gemm (SequentialMLP experts, "
-            "whose fc1/fc2 weight gradients run in W), or use --pipeline-schedule 1f1b"),
+    Setting("--moe-grouped-gemm with --transformer-impl transformer_engine (TEGroupedMLP)",
+            ("num_experts", "moe_grouped_gemm", "transformer_impl"),
+            lambda a: _moe(a) and _on(a, "moe_grouped_gemm") and _te(a), S, S,
+            "TE's GroupedLinear runs its weight gradients in W through TE's own split "
+            "(delay_wgrad_compute, backward_dw), expert gradients over expert data parallel",
+            TE + " (PP 2 x EP 2 alltoall, PP 4 allgather, EP 1 over expert data parallel)"),
+    Setting("--moe-grouped-gemm, megatron's legacy GroupedMLP",
+            ("num_experts", "moe_grouped_gemm", "transformer_impl",
+             "moe_use_legacy_grouped_gemm"),
+            lambda a: _moe(a) and _on(a, "moe_grouped_gemm")
+            and (not _te(a) or _on(a, "moe_use_legacy_grouped_gemm")), X, X,
+            "runs grouped-GEMM experts (--moe-grouped-gemm) as Transformer Engine's "
+            "GroupedLinear only (--transformer-impl transformer_engine: TEGroupedMLP, whose "
+            "weight gradients TE's own split runs in W); megatron's legacy GroupedMLP "
+            "(--moe-use-legacy-grouped-gemm, or --transformer-impl local with megatron-core "
+            "0.16) computes them inside the grouped_gemm package's GEMM (0.16.1 "
+            "moe/experts.py:81, 246-259), which no split covers: use --transformer-impl "
+            "transformer_engine, or drop --moe-grouped-gemm (SequentialMLP experts, whose "
+            "fc1/fc2 weight gradients run in W), or use --pipeline-schedule 1f1b"),
     Setting("--moe-token-dispatcher-type flex", ("num_experts", "moe_token_dispatcher_type"),
             lambda a: _moe(a) and getattr(a, "moe_token_dispatcher_type", "allgather")
             not in ("allgather", "alltoall"),

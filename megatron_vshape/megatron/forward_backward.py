@@ -29,10 +29,12 @@ from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, VARIANTS, build_schedule
 from ..schedule.names import MEMORY_LEVELS, schedule_info
 from ..schedule.model.simulate import simulate
+from ..schedule.rewrite.weight_order import weights_in_backward_order
 from .compute import MegatronStages
 from .model import sum_tied_embedding_grads
 from .mtp import relay_mtp_metrics
 from .replan import Replanner
+from .wgrad import te_wgrad_modules
 
 __all__ = ["VShapeForwardBackward", "message_spec"]
 
@@ -133,7 +135,7 @@ class VShapeForwardBackward:
             config.timers("forward-backward", log_level=1).start(
                 barrier=getattr(config, "barrier_with_L1_time", False))
         schedule = self.schedule_for(pg.pp.size(), num_microbatches, len(chunks), len(iterators),
-                                  config)
+                                  config, fifo_weights=any(te_wgrad_modules(c) for c in chunks))
         spec = message_spec(config, pg, seq_length, micro_batch_size, decoder_seq_length,
                             adjust_tensor_shapes_fn, _device())
         stages = MegatronStages(schedule, pg.pp.rank(), chunks, forward_step_func, iterators,
@@ -179,10 +181,12 @@ class VShapeForwardBackward:
         return self.profile.gather_costs(schedule.placement, pg.pp.rank(), comm, group=pg.pp)
 
     # -- pieces --------------------------------------------------------------------------------
-    def schedule_for(self, p, m, num_chunks, num_iterators, config):
+    def schedule_for(self, p, m, num_chunks, num_iterators, config, fifo_weights=False):
         """The schedule this function runs for ``p`` ranks and ``m`` microbatches (built once,
         then reused), after checking the model's chunks and data iterators fit it: the check
-        runs before any pass, so a wrong model build fails with what to change."""
+        runs before any pass, so a wrong model build fails with what to change.
+        ``fifo_weights``: the model has Transformer Engine layers whose W passes must follow
+        their stage's B order (weights_in_backward_order)."""
         two = schedule_info(self.schedule).chunks == 2
         if num_chunks != (2 if two else 1) or num_iterators != num_chunks:
             raise ValueError(
@@ -191,7 +195,8 @@ class VShapeForwardBackward:
                 "model with megatron_vshape.megatron.model.build_v_chunks for V schedules")
         key = (p, m)
         if key not in self._schedules:
-            self._schedules[key] = self._build(p, m)
+            built = self._build(p, m)
+            self._schedules[key] = weights_in_backward_order(built) if fifo_weights else built
             self.plans.append((self.replanner.steps, self._schedules[key].description))
             _log_schedule(self._schedules[key], self.costs, self.memory_limit,
                           self.replanner.memory or MemoryModel())

@@ -129,6 +129,8 @@ PIPELINE_REFUSALS = [
     ({"use_ring_exchange_p2p": True}, "drop --use-ring-exchange-p2p"),
     ({"pipeline_model_parallel_comm_backend": "ucc"}, "--pipeline-model-parallel-comm-backend"),
     ({"num_experts": 8, "moe_grouped_gemm": True}, "drop --moe-grouped-gemm"),
+    ({"num_experts": 8, "moe_grouped_gemm": True, "transformer_impl": "transformer_engine",
+      "moe_use_legacy_grouped_gemm": True}, "legacy GroupedMLP"),
     ({"num_experts": 8, "moe_token_dispatcher_type": "flex"},
      "use --moe-token-dispatcher-type alltoall"),
     ({"num_experts": 8, "moe_shared_expert_overlap": True}, "--moe-shared-expert-overlap"),
@@ -183,6 +185,10 @@ def test_moe_is_accepted_with_the_tested_dispatchers(schedule):
                               moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
                               moe_shared_expert_overlap=False,
                               moe_router_load_balancing_type=balancing))
+    # Transformer Engine's grouped GEMM (TEGroupedMLP; tests/megatron/test_megatron_lm_te.py)
+    check_arguments(_args(["--pipeline-schedule", schedule], num_experts=8,
+                          moe_grouped_gemm=True, transformer_impl="transformer_engine",
+                          moe_use_legacy_grouped_gemm=False))
 
 
 def test_tied_embeddings_save_under_data_parallel_with_a_way_out():

@@ -135,7 +135,6 @@ when no --pipeline-schedule is given. The deepseekv3 *_gb_200_* recipes' layout 
 stages: 1F1B."""
 
 # -- what stays refused --------------------------------------------------------------------------
-GROUPED_GEMM = "--moe-grouped-gemm"
 FLEX = "--moe-token-dispatcher-type flex"
 LAYOUT = "--pipeline-model-parallel-layout"
 VPP_FLAGS = "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank"
@@ -147,7 +146,7 @@ FSDP = "--use-torch-fsdp2, --use-megatron-fsdp"
 MODELOPT = "nvidia-modelopt: a ModelOpt checkpoint, --export-kd-teacher-load (distillation)"
 TIED_SAVE = "tied embeddings or --mtp-num-layers, data parallel > 1 and a fully parallel --save"
 
-STAYS_REFUSED = (GROUPED_GEMM, FLEX, LAYOUT, VPP_FLAGS, VIRTUAL, FP8, TP_OVERLAP, FSDP,
+STAYS_REFUSED = (FLEX, LAYOUT, VPP_FLAGS, VIRTUAL, FP8, TP_OVERLAP, FSDP,
                  MODELOPT, TIED_SAVE)
 """features.py's refused rows (by their ``flags``) that NVIDIA's recipes use; why each stays
 refused is the row's own ``why`` (``vshape features --refused``), printed with the counts. A
@@ -155,17 +154,17 @@ recipe refused for any other row fails the test, and so does a row here that a r
 without being refused for it (lifted: remove it here, and update :data:`COUNTS`)."""
 
 COUNTS = {
-    "0.16": {"recipes": 19, "reached": 19, "stock": 18, "1f1b": 13, "zb-1p": 3, "v-min": 3,
-             "v-half": 3, "v-zb": 3, "auto": 3,
-             "refused under V": {GROUPED_GEMM: 10, FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
+    "0.16": {"recipes": 19, "reached": 19, "stock": 18, "1f1b": 13, "zb-1p": 7, "v-min": 7,
+             "v-half": 7, "v-zb": 7, "auto": 7,
+             "refused under V": {FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
                                  FP8: 3, TP_OVERLAP: 2, FSDP: 1, MODELOPT: 1, TIED_SAVE: 5},
-             "refused under zb-1p": {GROUPED_GEMM: 10, VIRTUAL: 5, FLEX: 4, FP8: 3,
+             "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8: 3,
                                      TP_OVERLAP: 2, FSDP: 1, MODELOPT: 1}},
-    "0.19": {"recipes": 19, "reached": 16, "stock": 15, "1f1b": 10, "zb-1p": 2, "v-min": 2,
-             "v-half": 2, "v-zb": 2, "auto": 2,
-             "refused under V": {GROUPED_GEMM: 9, FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
+    "0.19": {"recipes": 19, "reached": 16, "stock": 15, "1f1b": 10, "zb-1p": 6, "v-min": 6,
+             "v-half": 6, "v-zb": 6, "auto": 6,
+             "refused under V": {FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
                                  FP8: 2, TP_OVERLAP: 2, FSDP: 1, TIED_SAVE: 4},
-             "refused under zb-1p": {GROUPED_GEMM: 9, VIRTUAL: 5, FLEX: 4, FP8: 2,
+             "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8: 2,
                                      TP_OVERLAP: 2, FSDP: 1}},
 }
 """Per training code: recipes in total; reached (parsed, past :data:`MODELOPT_FLAGS` and
@@ -449,7 +448,7 @@ def test_plugin_schedules_accept_what_stock_accepts_but_settings_that_stay_refus
 def test_one_error_lists_every_refused_setting_a_recipe_uses(parsed):
     """A refused recipe gets one error listing every refused row it uses: the rows features.py
     finds used on the arguments as Megatron-LM's validate_args leaves them (stock), e.g. the
-    DeepSeek-V3 proxy's layout, MTP, grouped GEMM and flex dispatcher under a V."""
+    DeepSeek-V3 proxy's layout, fully parallel save with MTP, and flex dispatcher under a V."""
     for recipe, reply in _stock_accepted(parsed):
         for schedule in PLUGIN:
             family, run = family_of(schedule), reply["runs"][schedule]
@@ -459,8 +458,8 @@ def test_one_error_lists_every_refused_setting_a_recipe_uses(parsed):
             if rows:
                 assert problem_count(run["message"]) == len(rows), (recipe.name, run)
     deepseek = parsed["by_name"]["deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release"]
-    assert set(_refusals(deepseek, "v-half")) == {LAYOUT, TIED_SAVE, GROUPED_GEMM, FLEX}
-    assert set(_refusals(deepseek, "zb-1p")) == {VIRTUAL, GROUPED_GEMM, FLEX}
+    assert set(_refusals(deepseek, "v-half")) == {LAYOUT, TIED_SAVE, FLEX}
+    assert set(_refusals(deepseek, "zb-1p")) == {VIRTUAL, FLEX}
 
 
 def counts(parsed) -> dict:

@@ -70,6 +70,21 @@ def test_zb1p_builds_transformer_engine_layers_with_delayed_weight_grads():
     assert made.built_with.delay_wgrad_compute
 
 
+def test_v_chunk_configs_keep_the_v_layers_with_te_delayed_weight_grads():
+    """v_chunk_config with te_delay_wgrad: the copy that turns on TE's split keeps the V's stage
+    layers (before, dataclasses.replace dropped them, and a TE model's chunk 1 sliced
+    --moe-layer-freq by megatron's loop stage); the caller's config is untouched."""
+    from megatron_vshape.megatron.layers import stage_layers
+    from megatron_vshape.megatron.model import v_chunk_config
+
+    config = TransformerConfig(num_layers=8, hidden_size=8, num_attention_heads=2,
+                               pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    built = v_chunk_config(config, 2, te_delay_wgrad=True)
+    assert built.delay_wgrad_compute and not config.delay_wgrad_compute
+    assert built.vshape_stage_layers == stage_layers(8, 2)
+    assert not hasattr(config, "vshape_stage_layers")
+
+
 def test_zb1p_w_pass_calls_transformer_engines_backward_dw():
     """MegatronStages under zb-1p: B leaves the TE layer's weight GEMM, its W calls
     backward_dw, once per microbatch, in W and not before."""

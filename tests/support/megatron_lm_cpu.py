@@ -25,8 +25,16 @@ import types
 import torch
 
 __all__ = ["install_megatron_lm_cpu_patches", "install_moe_cpu_patches", "configure_run",
-           "install_argument_check_patches", "HOPPER",
-           "use_fused_adam", "CpuFusedAdam", "TORCH_ADAMW"]
+           "use_fused_adam", "CpuFusedAdam", "TORCH_ADAMW", "TE_STAND_IN", "TE_STAND_IN_PATH"]
+
+TE_STAND_IN = "VSHAPE_TE_STAND_IN"
+"""Set to 1 in the environment of a process (a launch server, a torchrun) whose Megatron-LM
+runs should see Transformer Engine: support/te_stand_in's CPU stand-in is put first on sys.path
+before megatron is imported (:func:`install_megatron_lm_cpu_patches`). Read once, at import
+time of megatron: megatron decides HAVE_TE when its modules are imported, so one process either
+has TE or has not (support.megatron_lm_launch.Launcher(te_stand_in=True) starts its own server)."""
+TE_STAND_IN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_stand_in")
+"""The folder that holds the stand-in package ``transformer_engine``."""
 
 
 class _NoStream:
@@ -126,6 +134,9 @@ def _patch_torch() -> None:
                  "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *args, **kwargs: 0)
     torch.cuda.memory_stats = lambda *args, **kwargs: {}
+    # arguments.py:852-854 asserts a compute capability >= 8 for --moe-grouped-gemm (0.19:
+    # arguments.py:1338-1340): answer as a Hopper GPU, as get_device_arch_version below.
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
     # core/optimizer/clip_grads.py:167, core/optimizer/optimizer.py:671/690 and
     # core/optimizer/distrib_optimizer.py:361/420/582 compare Tensor.type() with
     # 'torch.cuda.FloatTensor' / 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' (0.19.2:
@@ -309,28 +320,27 @@ def install_moe_cpu_patches() -> None:
     mappings._AllToAll.forward = staticmethod(int_splits)
 
 
-HOPPER = (9, 0)
-"""The compute capability the argument checks are answered with: an H100's."""
+def _use_te_stand_in() -> bool:
+    """With $VSHAPE_TE_STAND_IN=1: the Transformer Engine stand-in first on sys.path (before any
+    megatron import), checked to be the stand-in and not a real TE. Whether TE is there."""
+    if os.environ.get(TE_STAND_IN) != "1":
+        return False
+    if "megatron.core" in sys.modules and "transformer_engine" not in sys.modules:
+        raise RuntimeError(f"{TE_STAND_IN}=1 must be set before megatron is imported")
+    if TE_STAND_IN_PATH not in sys.path:
+        sys.path.insert(0, TE_STAND_IN_PATH)
+    import transformer_engine
 
-
-def install_argument_check_patches() -> None:
-    """What Megatron-LM's validate_args asks of a GPU beyond :func:`_patch_megatron_lm`'s
-    device architecture, answered as an H100, for a process that checks arguments only and
-    never builds a model (support.megatron_lm_parse; not the real-loop tiers, whose
-    megatron-core would read it as a GPU's too).
-
-    - arguments.py:853 (core_v0.16.1) asks ``torch.cuda.get_device_capability()`` for
-      --moe-grouped-gemm and asserts >= 8 (0.19: arguments.py:1339): :data:`HOPPER`.
-
-    Idempotent; after :func:`install_megatron_lm_cpu_patches`.
-    """
-    torch.cuda.get_device_capability = lambda *args, **kwargs: HOPPER
+    if not getattr(transformer_engine, "STAND_IN", False):
+        raise RuntimeError(f"{TE_STAND_IN}=1 imported {transformer_engine.__file__}, not the stand-in")
+    return True
 
 
 def install_megatron_lm_cpu_patches() -> None:
     """Apply every patch (idempotent); before Megatron-LM's training code runs."""
     if getattr(torch, "_vshape_megatron_lm_cpu", False):
         return
+    with_te = _use_te_stand_in()
     _let_megatron_import()
     _stand_in_batch_invariant_kernels()
     from megatron_vshape.harness.cpu import allow_sequence_parallel_norms, install_cpu_shims
@@ -338,7 +348,10 @@ def install_megatron_lm_cpu_patches() -> None:
     install_cpu_shims()
     # Megatron-LM's local spec takes megatron's torch norm, which refuses --sequence-parallel
     # (the norms that accept it are apex/TE GPU builds): the CPU stand-in computes the same.
-    allow_sequence_parallel_norms()
+    # With Transformer Engine (the stand-in) megatron takes TE's norms, which accept it
+    # (core/transformer/transformer_block.py:54-61 LayerNormImpl = TENorm).
+    if not with_te:
+        allow_sequence_parallel_norms()
     _patch_torch()
     _patch_megatron_lm()
     install_moe_cpu_patches()

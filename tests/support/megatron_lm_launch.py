@@ -104,11 +104,21 @@ class RunResult:
 
 
 class Launcher:
-    """Client of one launch server (start it once per test session; close it after)."""
+    """Client of one launch server (start it once per test session; close it after).
 
-    def __init__(self):
+    ``te_stand_in``: the server's Megatron-LM imports support/te_stand_in's CPU stand-in of
+    Transformer Engine (support.megatron_lm_cpu.TE_STAND_IN), for ``--transformer-impl
+    transformer_engine`` runs; a server without it never sees TE, as before."""
+
+    def __init__(self, te_stand_in: bool = False):
+        from support.megatron_lm_cpu import TE_STAND_IN
+
+        env = megatron_lm_env()
+        env.pop(TE_STAND_IN, None)
+        if te_stand_in:
+            env[TE_STAND_IN] = "1"
         self._server = subprocess.Popen(
-            [sys.executable, "-m", "support.megatron_lm_launch"], cwd=REPO, env=megatron_lm_env(),
+            [sys.executable, "-m", "support.megatron_lm_launch"], cwd=REPO, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         ready = self._server.stdout.readline().strip()
         if ready != "ready":

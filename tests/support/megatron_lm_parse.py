@@ -20,8 +20,7 @@ WORLD_SIZE (rank 0 is emulated); ``droppable``: options that may be unknown to t
 code (dropped with their values if the parser does not know them; any other word the parser
 does not know then stops the recipe); ``schedules``: ``--pipeline-schedule`` values to run,
 null for none. One JSON reply on stdout (:func:`serve`). The CPU patches are
-support.megatron_lm_cpu's, plus its ``install_argument_check_patches`` and the parser speed-up
-below; everything printed on the way goes to stderr.
+support.megatron_lm_cpu's, plus the parser speed-up below; everything printed on the way goes to stderr.
 """
 from __future__ import annotations
 
@@ -71,11 +70,9 @@ class _Setup:
     wrapped and the original validate_args."""
 
     def __init__(self, script: str):
-        from support.megatron_lm_cpu import (install_argument_check_patches,
-                                             install_megatron_lm_cpu_patches)
+        from support.megatron_lm_cpu import install_megatron_lm_cpu_patches
 
         install_megatron_lm_cpu_patches()
-        install_argument_check_patches()
         _memoize_field_docstrings()
         import pretrain_gpt
         from megatron.training import arguments

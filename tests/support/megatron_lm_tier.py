@@ -235,10 +235,13 @@ def uneven_zb1p_runs(runs: Runs, key: str, model: list) -> tuple[Run, Run]:
     return first, layout
 
 
-def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4) -> Run:
-    """``schedule`` trains ITERS iterations of ``model`` from its initial checkpoint."""
+def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4,
+            save: bool = True) -> Run:
+    """``schedule`` trains ITERS iterations of ``model`` from its initial checkpoint (saving a
+    checkpoint at iteration 2 and 4 for :func:`resumed`, unless ``save`` is False)."""
     start = initial_checkpoint(runs, key, model, nproc)
-    save = ["--save", str(runs.path(f"{key}-{schedule}") / "checkpoint"), "--save-interval", "2"]
+    save = ["--save", str(runs.path(f"{key}-{schedule}") / "checkpoint"), "--save-interval",
+            "2"] if save else []
     return runs.get(f"{key}-{schedule}", TINY_GPT + model + start + schedule_flags(schedule) +
                     save + ["--train-iters", str(ITERS), *extra], nproc)
 

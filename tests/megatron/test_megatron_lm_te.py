@@ -1,0 +1,134 @@
+"""Megatron-LM's own training loop with ``--transformer-impl transformer_engine`` under the
+plugin's schedules, on the CPU stand-in of Transformer Engine (tests/support/te_stand_in).
+
+The launch server of this tier imports the stand-in (``Launcher(te_stand_in=True)``), so
+megatron builds its TE layer specs: TELayerNormColumnParallelLinear and TERowParallelLinear in
+attention and MLP, TEDotProductAttention, TENorm, and with ``--moe-grouped-gemm`` TEGroupedMLP
+over TE's GroupedLinear. Under zb-1p and the Vs the plugin builds them with TE's
+delay_wgrad_compute, and W calls their ``backward_dw`` (TE's own B/W split, compute.py). Other
+tiers' servers never see the stand-in.
+
+Runs as the other real-loop tiers do (support.megatron_lm_tier): the tiny GPT, fp32, 4 gloo
+processes, one 1f1b initial checkpoint per model, 4 iterations with validation at 2 and 4;
+each schedule must give megatron's own 1f1b's losses, grad norms and validation losses (and
+for MoE the logged load-balancing and z losses) within 1e-5 relative. Marked
+``megatron_versions``: it runs in both CI environments, against the training code that pairs
+with the installed megatron-core (core_v0.16.1 with 0.16.1, the 0.19 era with 0.19.2).
+
+    case          model
+    te-pp4        dense, PP 4
+    te-moe-ep     grouped-GEMM experts, PP 2 x EP 2 (DP 2), alltoall, distributed optimizer,
+                  expert capacity with padding, linear biases (support.MOE_CASES["moe-ep"])
+    te-moe-pp4    grouped-GEMM experts, PP 4, allgather, global aux loss, z-loss, a shared
+                  expert of TE linears (MOE_CASES["moe-pp4"])
+    te-moe-edp    grouped-GEMM experts, PP 2 x DP 2 with EP 1 (every expert's gradient
+                  reduced over the expert-data-parallel group, overlapped, from W), distributed
+                  optimizer, dense and MoE layers mixed (MOE_CASES["moe-edp"]), v-half
+    te-tp2pp2-sp  dense, TP 2 x PP 2 with sequence parallel (TE's own all-gathers and
+                  reduce-scatters in its linears), v-min
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from support.megatron_lm_launch import MEGATRON_LM, Launcher
+from support.megatron_lm_tier import (
+    MOE_CASES, PP4, Runs, assert_same_moe_metrics, assert_same_training)
+from support.megatron_lm_tier import trained as _trained
+
+pytestmark = [pytest.mark.e2e, pytest.mark.megatron_versions]
+
+if not (MEGATRON_LM / "megatron" / "training").is_dir():
+    pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM}", allow_module_level=True)
+
+TE = ["--transformer-impl", "transformer_engine"]
+GROUPED = TE + ["--moe-grouped-gemm"]
+MODELS = {
+    "te-pp4": TE + PP4,
+    "te-moe-ep": GROUPED + MOE_CASES["moe-ep"],
+    "te-moe-pp4": GROUPED + MOE_CASES["moe-pp4"],
+    "te-moe-edp": GROUPED + MOE_CASES["moe-edp"],
+    "te-tp2pp2-sp": TE + ["--tensor-model-parallel-size", "2",
+                          "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
+}
+SCHEDULES = ["zb-1p", "v-min", "v-half", "v-zb", "auto"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    launcher = Launcher(te_stand_in=True)
+    yield Runs(launcher, tmp_path_factory.mktemp("megatron-lm-te"))
+    launcher.close()
+
+
+def trained(runs, key, model, schedule):
+    """The tier's run of ``model`` under ``schedule``, without checkpoints (no test here
+    resumes one; saving costs seconds per run)."""
+    return _trained(runs, key, model, schedule, save=False)
+
+
+def _w_calls_backward_dw(log: str, *types: str) -> None:
+    line = next((l for l in log.splitlines()
+                 if l.startswith("[vshape] W passes call Transformer Engine's backward_dw")), "")
+    for name in types:
+        assert f"{name} x" in line, f"{name} is not among the TE modules W calls: {line!r}"
+
+
+def test_1f1b_trains_transformer_engine_layers(runs):
+    """Megatron's own 1f1b trains the TE model on the stand-in: finite losses and grad norms,
+    the loss lower after 4 iterations than after the first."""
+    run = trained(runs, "te-pp4", MODELS["te-pp4"], "1f1b")
+    losses = run.records.losses()
+    assert all(math.isfinite(x) for x in losses + run.records.grad_norms())
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_transformer_engine_layers_train_like_1f1b(runs, schedule):
+    """TE's linears split B and W themselves (delay_wgrad_compute; W calls backward_dw)."""
+    reference = trained(runs, "te-pp4", MODELS["te-pp4"], "1f1b")
+    got = trained(runs, "te-pp4", MODELS["te-pp4"], schedule)
+    assert_same_training(got, reference, f"te-pp4 {schedule}")
+    _w_calls_backward_dw(got.log(0), "TELayerNormColumnParallelLinear", "TERowParallelLinear")
+
+
+@pytest.mark.parametrize("case", ["te-moe-ep", "te-moe-pp4"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_grouped_gemm_experts_train_like_1f1b(runs, case, schedule):
+    """--moe-grouped-gemm: the experts are TE's GroupedLinear (TEGroupedMLP), whose weight
+    gradients -- reduced over the expert-data-parallel group -- run in W through TE's own
+    split; the router keeps its gradient in B by design and nothing else is left in B."""
+    reference = trained(runs, case, MODELS[case], "1f1b")
+    got = trained(runs, case, MODELS[case], schedule)
+    assert_same_training(got, reference, f"{case} {schedule}")
+    assert_same_moe_metrics(got, reference, f"{case} {schedule}")
+    _w_calls_backward_dw(got.log(0), "TEColumnParallelGroupedLinear",
+                         "TERowParallelGroupedLinear")
+    for rank in range(4):
+        assert "weight gradients in B" not in got.log(rank), got.log(rank)[-2000:]
+
+
+def test_grouped_gemm_expert_gradients_over_expert_data_parallel_like_1f1b(runs):
+    """EP 1 on PP 2 x DP 2: both data-parallel ranks hold every expert; TE's backward_dw calls
+    DDP's hooks, which start the expert buckets' reduction over the expert-data-parallel group
+    (--overlap-grad-reduce). --moe-layer-freq mixes dense and MoE layers: before, turning on
+    TE's split copied the V chunk's config without the V's stage layers, and chunk 1 got
+    megatron's loop placement of the dense layer (loading 1f1b's checkpoint failed)."""
+    reference = trained(runs, "te-moe-edp", MODELS["te-moe-edp"], "1f1b")
+    got = trained(runs, "te-moe-edp", MODELS["te-moe-edp"], "v-half")
+    assert_same_training(got, reference, "te-moe-edp v-half")
+    assert_same_moe_metrics(got, reference, "te-moe-edp v-half")
+    _w_calls_backward_dw(got.log(0), "TEColumnParallelGroupedLinear",
+                         "TERowParallelGroupedLinear")
+
+
+def test_tensor_and_sequence_parallel_te_layers_train_like_1f1b(runs):
+    """TP 2 with sequence parallel: TE's linears gather and reduce-scatter along the sequence
+    themselves, and their delayed weight GEMMs gather their saved input again in B; the norms'
+    gradients are summed over TP by megatron (TE marks them sequence_parallel)."""
+    reference = trained(runs, "te-tp2pp2-sp", MODELS["te-tp2pp2-sp"], "1f1b")
+    got = trained(runs, "te-tp2pp2-sp", MODELS["te-tp2pp2-sp"], "v-min")
+    assert_same_training(got, reference, "te-tp2pp2-sp v-min")
+    _w_calls_backward_dw(got.log(0), "TELayerNormColumnParallelLinear", "TERowParallelLinear")
