@@ -279,7 +279,8 @@ SETTINGS = (
             "0.16) computes them inside the grouped_gemm package's GEMM (0.16.1 "
             "moe/experts.py:81, 246-259), which no split covers: use --transformer-impl "
             "transformer_engine, or drop --moe-grouped-gemm (SequentialMLP experts, whose "
-            "fc1/fc2 weight gradients run in W), or use --pipeline-schedule 1f1b"),
+            "fc1/fc2 weight gradients run in W), or use --pipeline-schedule 1f1b",
+            until="0.16"),
     Setting("--moe-token-dispatcher-type flex", ("num_experts", "moe_token_dispatcher_type"),
             lambda a: _moe(a) and getattr(a, "moe_token_dispatcher_type", "allgather")
             not in ("allgather", "alltoall"),
