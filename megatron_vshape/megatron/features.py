@@ -296,9 +296,14 @@ SETTINGS = (
             "--moe-router-load-balancing-type, or use --pipeline-schedule 1f1b"),
     Setting("--moe-shared-expert-overlap", ("num_experts", "moe_shared_expert_overlap"),
             lambda a: _moe(a) and _on(a, "moe_shared_expert_overlap"), X, X,
-            "does not support --moe-shared-expert-overlap (it overlaps the shared expert with "
-            "the dispatch on a side CUDA stream, untested under the B/W split): drop it, or "
-            "use --pipeline-schedule 1f1b"),
+            "does not support --moe-shared-expert-overlap: the shared expert's forward runs on "
+            "a side CUDA stream split across the token dispatcher (megatron-core 0.16.1 "
+            "moe/shared_experts.py:92-123, token_dispatcher.py:626-847) and its backward order "
+            "is steered by autograd sequence numbers (shared_experts.py:281-293); megatron "
+            "itself skips the shared expert's delayed weight gradient in that mode "
+            "(moe_layer.py:452-457), and a W pass would read side-stream tensors on the "
+            "default stream with nothing to synchronise them, a race no CPU test can show: "
+            "drop it, or use --pipeline-schedule 1f1b"),
     Setting("--moe-paged-stash", ("num_experts", "moe_paged_stash"),
             lambda a: _moe(a) and _on(a, "moe_paged_stash"), X, X,
             "does not support --moe-paged-stash (megatron-core 0.19: megatron's schedules "
