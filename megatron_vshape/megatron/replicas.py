@@ -26,8 +26,8 @@ ShardedTensor(key='embedding.word_embeddings.weight' ...").
 
 Chunk 1 therefore gives its copy's entry as a :class:`ShardedTensorFactory`
 (:func:`replica_entries`, installed by model.save_copy_as_replica) that megatron's optimizers
-carry over to the copy's state entries, as they do for any factory (the same two places,
-``dataclasses.replace``):
+carry over to the copy's state entries, as they do for any factory (by the same
+``dataclasses.replace``)::
 
     build (save and load)   a :class:`NonMainReplica`: the ShardedTensor megatron made, which
                             stays non-main when the fully parallel save makes it main, so the
