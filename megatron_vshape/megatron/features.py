@@ -219,16 +219,16 @@ SETTINGS = (
             lambda a: _on(a, "save") and (not _on(a, "untie_embeddings_and_output_weights")
                                           or _on(a, "mtp_num_layers"))
             and getattr(a, "ckpt_format", "torch_dist") == "torch_dist"
-            and _on(a, "ckpt_fully_parallel_save") and _data_parallel_size(a) > 1, X, NA,
-            "cannot save a checkpoint with tied embeddings or multi-token prediction under data "
-            "parallelism with megatron's fully parallel save: rank 0 holds the embedding "
-            "(chunk 0) and its copy in chunk 1 (the LM head's tied weight, the MTP block's "
-            "embedding), and the fully parallel save makes both the main replica on one "
-            "data-parallel rank, which dist_checkpointing refuses (\"Invalid access pattern "
-            "... embedding.word_embeddings.weight\") at the first save: add "
-            "--untie-embeddings-and-output-weights or --no-ckpt-fully-parallel-save (with "
-            "--mtp-num-layers the latter: the MTP block has its copy untied too) (data "
-            "parallel > 1 comes with expert parallelism too)"),
+            and _on(a, "ckpt_fully_parallel_save") and _data_parallel_size(a) > 1, R, NA,
+            "rank 0 holds the word embedding (chunk 0) and its copy (chunk 1: the LM head's "
+            "tied weight, the MTP block's embedding) in one data-parallel group, where "
+            "megatron's fully parallel save would write both; the copy and its optimizer state "
+            "stay what megatron makes the last stage's, a replica loaded from the embedding's "
+            "key and never written, and load as tensors of their own (--ckpt-fully-parallel-"
+            "load too) (replicas.py): the checkpoint is 1f1b's, for megatron's plain and "
+            "distributed optimizers",
+            E2E + " and the 0.19 tier (tied, PP 2 x DP 2, plain and distributed optimizer: "
+            "resumes V <-> 1f1b, a fully parallel load); " + MTP + " (PP 2 x DP 2)"),
     Setting("--use-distributed-optimizer, --overlap-grad-reduce, --overlap-param-gather",
             ("use_distributed_optimizer",), lambda a: _on(a, "use_distributed_optimizer"), R, R,
             "equal to 1f1b, resumes across schedules (saved fully reshardable)", E2E),

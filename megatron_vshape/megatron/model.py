@@ -28,6 +28,9 @@ V every such stage is on rank 0, so the copies are Parameters of rank 0's two ch
 :func:`tie_embeddings` copies chunk 0's into chunk 1's (megatron zero-fills it and would fill it
 by its all-reduce), :func:`sum_tied_embedding_grads` gives both the sum of their gradients
 after every step (megatron's all-reduce over first, last and MTP stage), so they stay equal.
+In a checkpoint chunk 1's copy is what megatron makes the last stage's, a replica of
+``embedding.word_embeddings.weight`` that is loaded and never written, under megatron's fully
+parallel save too (:func:`save_copy_as_replica`, replicas.py).
 With tied embeddings and MTP, chunk 1 also holds an ``output_layer.weight`` that nothing uses,
 exactly as megatron's last stage does (megatron-core builds it and passes the embedding's
 weight to the LM head instead).
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -46,7 +50,8 @@ from .layers import patch_layer_placement, stage_layers, with_stage_layers
 from .wgrad import defer_weight_grads, with_te_delay_wgrad
 
 __all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "build_v_chunk",
-           "v_chunk_config", "finish_v_chunks", "tie_embeddings", "sum_tied_embedding_grads",
+           "v_chunk_config", "finish_v_chunks", "tie_embeddings", "save_copy_as_replica",
+           "sum_tied_embedding_grads",
            "embedding_copy", "parallel_state_reports", "check_v_config", "V_PLACED",
            "is_v_placed"]
 
@@ -173,6 +178,7 @@ def finish_v_chunks(chunk0, chunk1, defer_wgrad: bool = True, ddp_delay_wgrad: b
     (:mod:`.wgrad`)."""
     if embedding_copy(chunk0, chunk1) is not None:
         tie_embeddings(chunk0, chunk1)
+        save_copy_as_replica(chunk0, chunk1)
     if defer_wgrad:
         for chunk in (chunk0, chunk1):
             defer_weight_grads(chunk, WeightGradStore(), mark_for_ddp=ddp_delay_wgrad)
@@ -215,6 +221,24 @@ def tie_embeddings(chunk0, chunk1) -> None:
     one rank)."""
     with torch.no_grad():
         embedding_copy(chunk0, chunk1).copy_(chunk0.shared_embedding_or_output_weight())
+
+
+def save_copy_as_replica(chunk0, chunk1) -> None:
+    """Chunk 1's sharded state dict keeps its copy of the word embedding a non-main replica of
+    ``embedding.word_embeddings.weight`` (megatron marks it one) under megatron's fully
+    parallel save too, which would make it main beside chunk 0's (replicas.py): the copy and
+    its optimizer state are loaded from that key, as megatron's last or MTP stage loads them,
+    and only chunk 0's is written."""
+    copy_ = embedding_copy(chunk0, chunk1)
+    original = chunk1.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(*args, **kwargs):
+        from .replicas import replica_entries
+
+        return replica_entries(original(*args, **kwargs), copy_)
+
+    chunk1.sharded_state_dict = sharded_state_dict
 
 
 def sum_tied_embedding_grads(chunks) -> None:

@@ -47,10 +47,13 @@ if not _megatron_core().startswith("0.19."):
     pytest.skip(f"the 0.19-era training code pairs with megatron-core 0.19, not "
                 f"{_megatron_core()}", allow_module_level=True)
 
-DISTOPT = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-           "--overlap-grad-reduce", "--overlap-param-gather",
-           "--untie-embeddings-and-output-weights"]
-"""PP 2 x DP 2 with megatron's distributed optimizer and both overlaps, untied embeddings."""
+PP2DP2 = ["--pipeline-model-parallel-size", "2"]
+"""PP 2 x DP 2 with megatron's plain optimizer, tied embeddings (rank 0's two copies of the word
+embedding in one data-parallel group, saved with megatron's default fully parallel save)."""
+DISTOPT = PP2DP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                    "--overlap-param-gather"]
+"""The same with megatron's distributed optimizer and both overlaps."""
+MODELS = {"pp4": PP4, "pp2dp2": PP2DP2, "pp2dp2-distopt": DISTOPT}
 TP_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
          "--sequence-parallel"]
 """TP 2 x PP 2 with sequence parallelism."""
@@ -74,6 +77,12 @@ def test_distributed_optimizer_trains_like_1f1b(runs):
     got = trained(runs, "pp2dp2-distopt", DISTOPT, "v-half")
     assert_same_training(got, reference, "0.19 pp2dp2 distopt v-half")
     assert "[vshape] v-half runs two chunks per rank: align_param_gather=True again" in got.log(0)
+
+
+def test_tied_embeddings_with_data_parallel_train_like_1f1b(runs):
+    reference = trained(runs, "pp2dp2", PP2DP2, "1f1b")
+    assert_same_training(trained(runs, "pp2dp2", PP2DP2, "v-half"), reference,
+                         "0.19 pp2dp2 v-half")
 
 
 def test_tensor_and_sequence_parallel_train_like_1f1b(runs):
@@ -133,18 +142,23 @@ def test_multi_token_prediction_resumes_under_another_schedule(runs, saved_by, r
     assert_same_mtp_losses(got, uninterrupted, label, first=3)
 
 
-@pytest.mark.parametrize("model,saved_by,resumed_by", [
-    ("pp4", "v-half", "1f1b"), ("pp4", "1f1b", "v-half"),
-    ("pp2dp2-distopt", "v-half", "1f1b"), ("pp2dp2-distopt", "1f1b", "v-half")])
+@pytest.mark.parametrize("model,saved_by,resumed_by,extra", [
+    ("pp4", "v-half", "1f1b", ()), ("pp4", "1f1b", "v-half", ()),
+    ("pp2dp2", "v-half", "v-half", ("--ckpt-fully-parallel-load",)),
+    ("pp2dp2", "v-half", "1f1b", ()),
+    ("pp2dp2-distopt", "v-half", "1f1b", ()), ("pp2dp2-distopt", "1f1b", "v-half", ())])
 def test_resume_under_another_schedule_equals_uninterrupted_training(runs, model, saved_by,
-                                                                     resumed_by):
-    """Saved at iteration 2 under one schedule, resumed under the other: iterations 3 and 4
-    (and their validation) as the uninterrupted 1f1b run's; the distributed optimizer's state
-    in the script's default fully reshardable format."""
-    flags = PP4 if model == "pp4" else DISTOPT
+                                                                     resumed_by, extra):
+    """Saved at iteration 2 under one schedule, resumed under the other (or the V under
+    itself, with megatron's fully parallel load): iterations 3 and 4 (and their validation) as
+    the uninterrupted 1f1b run's. pp2dp2 saves tied embeddings at DP 2 with megatron's fully
+    parallel save (the V's copy a replica written once), with megatron's plain optimizer and
+    its distributed one, whose state is in the script's default fully reshardable format."""
+    flags = MODELS[model]
     uninterrupted = trained(runs, model, flags, "1f1b")
-    got = resumed(runs, model, flags, saved_by, resumed_by)
-    assert_same_training(got, uninterrupted, f"0.19 {model} {saved_by} -> {resumed_by}", first=3)
+    got = resumed(runs, model, flags, saved_by, resumed_by, extra=extra)
+    assert_same_training(got, uninterrupted, f"0.19 {model} {saved_by} -> {resumed_by} {extra}",
+                         first=3)
 
 
 def test_v_runs_check_the_loop_calls_the_plugin_and_report_their_memory(runs):
@@ -182,19 +196,21 @@ def test_bad_flags_stop_at_parsing_with_the_flag_named(runs, flags, needle):
 
 
 def test_dp_reshardable_checkpoint_of_another_layout_is_refused_with_the_way_out(runs):
-    """checkpoints.py reads this training code's checkpoint metadata too: a 1f1b checkpoint
-    saved in megatron's dp_reshardable format stops a v-half resume before any load."""
+    """checkpoints.py reads this training code's checkpoint metadata too: a v-half checkpoint
+    saved in megatron's dp_reshardable format (tied embeddings at DP 2, megatron's fully
+    parallel save: the V's copy of the embedding a replica, the optimizer's state by gradient
+    bucket) stops a 1f1b resume before any load."""
     folder = runs.path("pp2dp2-distopt-dp-reshardable") / "checkpoint"
     runs.get("pp2dp2-distopt-dp-reshardable", TINY_GPT + DISTOPT + initial_checkpoint(
-        runs, "pp2dp2-distopt", DISTOPT) + ["--train-iters", "2", "--save", str(folder),
-                                            "--save-interval", "2",
-                                            "--dist-ckpt-optim-dp-reshardable"])
-    result = runs.attempt("dp-reshardable-to-v-half", TINY_GPT + DISTOPT + [
-        "--pipeline-schedule", "v-half", "--load", str(folder), "--train-iters", "4"])
+        runs, "pp2dp2-distopt", DISTOPT) + schedule_flags("v-half") + [
+            "--train-iters", "2", "--save", str(folder), "--save-interval", "2",
+            "--dist-ckpt-optim-dp-reshardable"])
+    result = runs.attempt("dp-reshardable-to-1f1b", TINY_GPT + DISTOPT + [
+        "--pipeline-schedule", "1f1b", "--load", str(folder), "--train-iters", "4"])
     assert not result.ok
     log = result.log(0)
     assert "ValueError: checkpoint" in log and "dp_reshardable format" in log
-    assert "--pipeline-schedule 1f1b" in log and "--no-load-optim" in log
+    assert "--pipeline-schedule v-half (v layout)" in log and "--no-load-optim" in log
     assert "Global shape mismatch" not in log
 
 

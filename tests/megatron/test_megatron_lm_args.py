@@ -68,15 +68,6 @@ def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
      "stage s lives on rank s % p"),
     (["--pipeline-schedule", "v-half"], {"account_for_loss_in_pipeline_split": True},
      "num_layers = k x PP - 2"),
-    (["--pipeline-schedule", "auto"], {"mtp_num_layers": 1, "save": "ckpt",
-                                       "untie_embeddings_and_output_weights": True,
-                                       "ckpt_fully_parallel_save": True,
-                                       "tensor_model_parallel_size": 1, "world_size": 8},
-     "with --mtp-num-layers the latter"),
-    (["--pipeline-schedule", "v-half"], {"save": "ckpt", "untie_embeddings_and_output_weights":
-                                         False, "ckpt_fully_parallel_save": True,
-                                         "tensor_model_parallel_size": 1, "world_size": 8},
-     "add --untie-embeddings-and-output-weights or --no-ckpt-fully-parallel-save"),
     (["--pipeline-schedule", "v-half"], {"context_parallel_size": 2}, "--context-parallel-size 1"),
     (["--pipeline-schedule", "v-half"], {"use_legacy_models": True}, "drop --use-legacy-models"),
     (["--pipeline-schedule", "v-half"], {"use_torch_fsdp2": True}, "drop --use-torch-fsdp2"),
@@ -191,37 +182,33 @@ def test_moe_is_accepted_with_the_tested_dispatchers(schedule):
                           moe_use_legacy_grouped_gemm=False))
 
 
-def test_tied_embeddings_save_under_data_parallel_with_a_way_out():
-    """Tied embeddings under a V with DP > 1 save with --untie-embeddings-and-output-weights
-    or --no-ckpt-fully-parallel-save; DP 1, no --save and 1f1b keep megatron's fully parallel
-    save."""
+def test_tied_embeddings_save_fully_parallel_under_data_parallel():
+    """Tied embeddings with DP > 1 save with megatron's fully parallel save under every
+    schedule (a V keeps rank 0's copy of the embedding a replica: model.save_copy_as_replica);
+    the features row that names it is a proven one."""
+    from megatron_vshape.megatron.features import SETTINGS, Verdict
+
     tied = dict(save="ckpt", untie_embeddings_and_output_weights=False,
                 ckpt_fully_parallel_save=True, tensor_model_parallel_size=1, world_size=8)
-    check_arguments(_args(["--pipeline-schedule", "v-half"],
-                          **dict(tied, untie_embeddings_and_output_weights=True)))
-    check_arguments(_args(["--pipeline-schedule", "v-half"],
-                          **dict(tied, ckpt_fully_parallel_save=False)))
-    check_arguments(_args(["--pipeline-schedule", "v-half"], **dict(tied, world_size=4)))
-    check_arguments(_args(["--pipeline-schedule", "v-half"], **dict(tied, save=None)))
-    check_arguments(_args(["--pipeline-schedule", "1f1b"], **tied))
+    for schedule in ("v-min", "v-half", "v-zb", "auto", "zb-1p", "1f1b"):
+        check_arguments(_args(["--pipeline-schedule", schedule], **tied))
+    [row] = [s for s in SETTINGS if s.flags.startswith("tied embeddings or --mtp-num-layers")]
+    assert row.used(_args(["--pipeline-schedule", "v-half"], **tied))
+    assert row.v is Verdict.REAL
 
 
 @pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto", "zb-1p"])
 def test_multi_token_prediction_is_accepted(schedule):
     """--mtp-num-layers runs under every schedule of the plugin, tied or untied
-    (tests/megatron/test_megatron_lm_mtp.py); under a V with DP > 1 a checkpoint is saved
-    without megatron's fully parallel save (the MTP block's embedding copy is a second replica
-    on rank 0, as a tied LM head's is)."""
+    (tests/megatron/test_megatron_lm_mtp.py), with DP > 1 and megatron's fully parallel save
+    too (the MTP block's embedding copy stays a replica on rank 0, as a tied LM head's)."""
     mtp = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.1, save="ckpt",
                untie_embeddings_and_output_weights=True, ckpt_fully_parallel_save=True,
                tensor_model_parallel_size=1, world_size=4)
     check_arguments(_args(["--pipeline-schedule", schedule], **mtp))
     check_arguments(_args(["--pipeline-schedule", schedule],
                           **dict(mtp, untie_embeddings_and_output_weights=False)))
-    check_arguments(_args(["--pipeline-schedule", schedule],
-                          **dict(mtp, world_size=8, ckpt_fully_parallel_save=False)))
-    if schedule == "zb-1p":
-        check_arguments(_args(["--pipeline-schedule", schedule], **dict(mtp, world_size=8)))
+    check_arguments(_args(["--pipeline-schedule", schedule], **dict(mtp, world_size=8)))
 
 
 def test_the_papers_uneven_layer_counts_are_accepted():

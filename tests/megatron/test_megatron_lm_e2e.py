@@ -15,6 +15,8 @@ must agree to 1e-5 relative (fp32; most agree bit for bit).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -49,16 +51,19 @@ def test_every_schedule_trains_like_1f1b(runs, schedule):
     assert_same_training(trained(runs, "pp4", PP4, schedule), reference, f"pp4 {schedule}")
 
 
-# -- 2. megatron features on top: distributed optimizer and overlaps, TP x PP with sequence
-#       parallel, untied embeddings, uneven layer counts --------------------------------------
+# -- 2. megatron features on top: data parallelism with megatron's plain and distributed
+#       optimizers and overlaps, TP x PP with sequence parallel, uneven layer counts ----------
 VARIANTS = {
+    "pp2dp2": (["--pipeline-model-parallel-size", "2"], "v-half"),
     "pp2dp2-distopt": (["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                        "--overlap-grad-reduce", "--overlap-param-gather",
-                        "--untie-embeddings-and-output-weights"], "v-half"),
+                        "--overlap-grad-reduce", "--overlap-param-gather"], "v-half"),
     "tp2pp2-sp": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                    "--sequence-parallel"], "v-min"),
 }
-"""Model flags, and the V schedule each variant runs beside 1f1b."""
+"""Model flags, and the V schedule each variant runs beside 1f1b. All tie the embeddings
+(megatron's default): with PP 2 x DP 2 rank 0 holds the word embedding and the LM head's copy
+of it in one data-parallel group, and saves them with megatron's default fully parallel save
+(model.save_copy_as_replica)."""
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -114,16 +119,45 @@ def test_resume_equals_uninterrupted_training(runs, saved_by, resumed_by):
     assert_same_training(got, uninterrupted, f"pp4 {saved_by} -> {resumed_by}", first=3)
 
 
-@pytest.mark.parametrize("saved_by,resumed_by", [("1f1b", "1f1b"), ("v-half", "1f1b"),
-                                                 ("1f1b", "v-half")])
-def test_distributed_optimizer_resume_across_schedules(runs, saved_by, resumed_by):
-    """pretrain_gpt_vshape.py saves distributed-optimizer state fully reshardable (keyed by
-    parameter), so it resumes under any schedule, exactly."""
-    model = VARIANTS["pp2dp2-distopt"][0]
-    uninterrupted = trained(runs, "pp2dp2-distopt", model, "1f1b")
-    got = resumed(runs, "pp2dp2-distopt", model, saved_by, resumed_by)
-    assert_same_training(got, uninterrupted, f"pp2dp2 distopt {saved_by} -> {resumed_by}",
+FULLY_PARALLEL_LOAD = ("--ckpt-fully-parallel-load",)
+
+
+@pytest.mark.parametrize("key,saved_by,resumed_by,extra", [
+    ("pp2dp2", "v-half", "v-half", FULLY_PARALLEL_LOAD), ("pp2dp2", "v-half", "1f1b", ()),
+    ("pp2dp2-distopt", "1f1b", "1f1b", ()), ("pp2dp2-distopt", "v-half", "1f1b", ()),
+    ("pp2dp2-distopt", "1f1b", "v-half", ())])
+def test_data_parallel_resume_across_schedules(runs, key, saved_by, resumed_by, extra):
+    """Tied embeddings at PP 2 x DP 2, saved with megatron's fully parallel save (its default),
+    resume exactly under any schedule: the V writes the word embedding once (chunk 1's copy
+    stays a replica, loaded from the embedding's key, with its optimizer state), for
+    megatron's plain optimizer and its distributed one, whose state pretrain_gpt_vshape.py
+    saves fully reshardable (keyed by parameter). The V's own resume loads with megatron's
+    fully parallel load too, which hands both copies' entries one tensor: each gets its own
+    (replicas.py), else the plain optimizer's two copies would share one Adam state."""
+    model = VARIANTS[key][0]
+    uninterrupted = trained(runs, key, model, "1f1b")
+    got = resumed(runs, key, model, saved_by, resumed_by, extra=extra)
+    assert_same_training(got, uninterrupted, f"{key} {saved_by} -> {resumed_by} {extra}",
                          first=3)
+
+
+def test_a_v_checkpoint_holds_the_tensors_of_1f1bs(runs):
+    """The V's fully parallel save of tied embeddings at DP 2 writes what 1f1b's does: the same
+    tensors (model and optimizer state, by global layer), each of the same shape."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model = VARIANTS["pp2dp2"][0]
+    saved = {}
+    for schedule in ("1f1b", "v-half"):
+        run = trained(runs, "pp2dp2", model, schedule)
+        assert re.search(r"ckpt_fully_parallel_save \.+ True", run.log(0))
+        folder = run.folder / "checkpoint" / "iter_0000002"
+        saved[schedule] = {key: getattr(meta, "size", None) for key, meta in
+                           FileSystemReader(str(folder)).read_metadata()
+                           .state_dict_metadata.items()}
+    assert "embedding.word_embeddings.weight" in saved["1f1b"]
+    assert "optimizer.state.exp_avg.embedding.word_embeddings.weight" in saved["1f1b"]
+    assert saved["v-half"] == saved["1f1b"]
 
 
 def _dp_reshardable_resume(runs, name: str, schedule: str, env=None) -> RunResult:

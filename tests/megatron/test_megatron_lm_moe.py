@@ -119,15 +119,11 @@ def test_moe_checkpoint_resumes_under_another_schedule(runs, case, saved_by, res
 
 
 @pytest.mark.parametrize("flags,needle", [
-    ([f for f in MOE_CASES["moe-ep"] if f != "--untie-embeddings-and-output-weights"]
-     + ["--save", "unused"], "add --untie-embeddings-and-output-weights or "
-                             "--no-ckpt-fully-parallel-save"),
     (MOE_CASES["moe-pp4"] + ["--moe-grouped-gemm"], "drop --moe-grouped-gemm"),
 ])
 def test_untested_moe_settings_stop_at_parsing(runs, flags, needle):
-    """Through the script's real parse_args: tied embeddings with DP > 1 (here from EP 2) and
-    a checkpoint to save, and grouped-GEMM experts of the local spec (megatron's legacy
-    GroupedMLP; TE's run in tests/megatron/test_megatron_lm_te.py) stop before
+    """Through the script's real parse_args: grouped-GEMM experts of the local spec (megatron's
+    legacy GroupedMLP; TE's run in tests/megatron/test_megatron_lm_te.py) stop before
     torch.distributed is initialised, with the way out."""
     result = runs.attempt(f"bad-{abs(hash(tuple(flags)))}",
                           TINY_GPT + flags + ["--pipeline-schedule", "v-half"], nproc=4)

@@ -11,7 +11,7 @@ MTP layers' linears run their weight gradients in W, and the step's MTP loss val
 to the last rank, where Megatron-LM logs them (mtp.py). Each of v-min, v-half, v-zb and auto at
 both sizes, and zb-1p at PP 4, must give 1f1b's losses, grad norms, validation losses and logged
 MTP losses ("mtp_1 loss", "mtp_2 loss") to 1e-5 relative (fp32); checkpoints saved under a V
-resume under 1f1b and the reverse.
+(at DP 2 with megatron's fully parallel save) resume under 1f1b and the reverse.
 
 Tied embeddings with MTP are left to the megatron-core tier
 (tests/megatron/test_megatron_gloo.py, weights by global name): megatron-core cannot checkpoint
@@ -26,7 +26,7 @@ pytest.importorskip("megatron.core")
 
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher  # noqa: E402
 from support.megatron_lm_tier import (  # noqa: E402
-    MTP_CASES, TINY_GPT, Runs, assert_same_mtp_losses, assert_same_training, resumed, trained)
+    MTP_CASES, Runs, assert_same_mtp_losses, assert_same_training, resumed, trained)
 
 pytestmark = pytest.mark.e2e
 
@@ -67,22 +67,10 @@ def test_mtp_trains_like_1f1b(runs, case, schedule):
 def test_mtp_checkpoint_resumes_under_another_schedule(runs, case, saved_by, resumed_by):
     """Saved at iteration 2, resumed: iterations 3 and 4 equal the uninterrupted 1f1b run's.
     The V saves the MTP layers under megatron's keys (mtp.layers.<depth>) and its embedding
-    copy as megatron's MTP stage does (a replica of embedding.word_embeddings.weight)."""
+    copy as megatron's MTP stage does (a replica of embedding.word_embeddings.weight), which
+    megatron's fully parallel save, at DP 2 here, writes once (replicas.py)."""
     uninterrupted = trained(runs, case, MTP_CASES[case], "1f1b")
     got = resumed(runs, case, MTP_CASES[case], saved_by, resumed_by)
     label = f"{case} {saved_by} -> {resumed_by}"
     assert_same_training(got, uninterrupted, label, first=3)
     assert_same_mtp_losses(got, uninterrupted, label, first=3)
-
-
-def test_mtp_with_a_fully_parallel_save_under_data_parallel_stops_at_parsing(runs):
-    """Through the script's real parse_args: a V with MTP, DP 2 and megatron's fully parallel
-    save stops before torch.distributed is initialised, with the way out."""
-    flags = [f for f in MTP_CASES["mtp-pp2"] if f != "--no-ckpt-fully-parallel-save"]
-    result = runs.attempt("mtp-fully-parallel-save", TINY_GPT + flags + [
-        "--pipeline-schedule", "v-half", "--save", "unused"])
-    assert not result.ok
-    log = result.log(0)
-    assert "add --untie-embeddings-and-output-weights or --no-ckpt-fully-parallel-save (with " \
-           "--mtp-num-layers the latter" in log, log[-2000:]
-    assert "initializing torch distributed" not in log

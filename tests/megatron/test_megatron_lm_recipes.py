@@ -144,10 +144,8 @@ FP8 = "--fp8-format, --fp4-format"
 TP_OVERLAP = "--tp-comm-overlap"
 FSDP = "--use-torch-fsdp2, --use-megatron-fsdp"
 MODELOPT = "nvidia-modelopt: a ModelOpt checkpoint, --export-kd-teacher-load (distillation)"
-TIED_SAVE = "tied embeddings or --mtp-num-layers, data parallel > 1 and a fully parallel --save"
 
-STAYS_REFUSED = (FLEX, LAYOUT, VPP_FLAGS, VIRTUAL, FP8, TP_OVERLAP, FSDP,
-                 MODELOPT, TIED_SAVE)
+STAYS_REFUSED = (FLEX, LAYOUT, VPP_FLAGS, VIRTUAL, FP8, TP_OVERLAP, FSDP, MODELOPT)
 """features.py's refused rows (by their ``flags``) that NVIDIA's recipes use; why each stays
 refused is the row's own ``why`` (``vshape features --refused``), printed with the counts. A
 recipe refused for any other row fails the test, and so does a row here that a recipe uses
@@ -157,13 +155,13 @@ COUNTS = {
     "0.16": {"recipes": 19, "reached": 19, "stock": 18, "1f1b": 13, "zb-1p": 7, "v-min": 7,
              "v-half": 7, "v-zb": 7, "auto": 7,
              "refused under V": {FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
-                                 FP8: 3, TP_OVERLAP: 2, FSDP: 1, MODELOPT: 1, TIED_SAVE: 5},
+                                 FP8: 3, TP_OVERLAP: 2, FSDP: 1, MODELOPT: 1},
              "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8: 3,
                                      TP_OVERLAP: 2, FSDP: 1, MODELOPT: 1}},
     "0.19": {"recipes": 19, "reached": 16, "stock": 15, "1f1b": 10, "zb-1p": 6, "v-min": 6,
              "v-half": 6, "v-zb": 6, "auto": 6,
              "refused under V": {FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
-                                 FP8: 2, TP_OVERLAP: 2, FSDP: 1, TIED_SAVE: 4},
+                                 FP8: 2, TP_OVERLAP: 2, FSDP: 1},
              "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8: 2,
                                      TP_OVERLAP: 2, FSDP: 1}},
 }
@@ -458,7 +456,7 @@ def test_one_error_lists_every_refused_setting_a_recipe_uses(parsed):
             if rows:
                 assert problem_count(run["message"]) == len(rows), (recipe.name, run)
     deepseek = parsed["by_name"]["deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release"]
-    assert set(_refusals(deepseek, "v-half")) == {LAYOUT, TIED_SAVE, FLEX}
+    assert set(_refusals(deepseek, "v-half")) == {LAYOUT, FLEX}
     assert set(_refusals(deepseek, "zb-1p")) == {VIRTUAL, FLEX}
 
 

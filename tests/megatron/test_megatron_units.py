@@ -173,6 +173,56 @@ def test_dp_reshardable_optimizer_state_of_another_layout_is_refused():
                            _ns(pipeline_schedule="1f1b"), "x")
 
 
+def test_the_vs_embedding_copy_is_a_replica_that_is_never_made_main():
+    """replicas.py: chunk 1's copy of the embedding (megatron's replica (1, 0, dp)) becomes a
+    factory; what it builds, for the model and for megatron's optimizer state alike, stays
+    non-main when the fully parallel save makes it main, and what it loads is its own tensor.
+    Other entries, and the main replica of the same data, are left as megatron made them."""
+    import pickle
+
+    import torch
+    from megatron.core.dist_checkpointing.mapping import (ShardedTensor, ShardedTensorFactory,
+                                                          apply_factories, is_main_replica)
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    from megatron_vshape.megatron.replicas import NonMainReplica, replica_entries
+
+    copy_, embedding, other = (torch.nn.Parameter(torch.ones(4, 2)),
+                               torch.nn.Parameter(torch.ones(4, 2)),
+                               torch.nn.Parameter(torch.zeros(3)))
+    key = "embedding.word_embeddings.weight"
+    made = {"output_layer.weight": ShardedTensor.from_rank_offsets(key, copy_,
+                                                                   replica_id=(1, 0, 1)),
+            # chunk 0's, on data-parallel rank 1: not main either, but not the copy
+            "embedding": ShardedTensor.from_rank_offsets(key, embedding, replica_id=(0, 0, 1)),
+            "nested": [ShardedTensor.from_rank_offsets("b", other, replica_id=(1, 0, 0)),
+                       ShardedTensor.from_rank_offsets(key, copy_, replica_id=(0, 0, 0))]}
+    marked = replica_entries(made, copy_)
+    factory = marked["output_layer.weight"]
+    assert isinstance(factory, ShardedTensorFactory) and factory.data is copy_
+    assert marked["embedding"] is made["embedding"]
+    assert marked["nested"][0] is made["nested"][0] and marked["nested"][1] is made["nested"][1]
+    assert type(made["output_layer.weight"]) is ShardedTensor  # out of place
+
+    state = make_sharded_optimizer_tensor(factory, torch.full((4, 2), 3.0),
+                                          "optimizer.state.exp_avg")
+    for entry, want_key in ((factory, key), (state, f"optimizer.state.exp_avg.{key}")):
+        built = {"x": entry}
+        apply_factories(built)
+        replica = built["x"]
+        assert type(replica) is NonMainReplica and replica.key == want_key
+        assert replica.replica_id == (1, 0, 1) and replica.global_shape == (4, 2)
+        replica.replica_id = 0  # what the fully parallel save does on the rank it picks
+        assert not is_main_replica(replica.replica_id)
+        replica.replica_id = 1
+        assert replica.replica_id == 1
+        again = pickle.loads(pickle.dumps(replica.without_data()))  # as ranks exchange them
+        assert type(again) is NonMainReplica and again.replica_id == 1
+        loaded = torch.arange(8.0).reshape(4, 2)
+        merged = entry.merge_fn(loaded)
+        assert torch.equal(merged, loaded) and merged is not loaded
+
+
 # -- megatron's own schedules refuse V chunks (install.py) --------------------------------------
 def test_v_marker_is_found_through_wrappers():
     import torch

@@ -163,8 +163,8 @@ padding (token dropping); moe-pp4, PP 4 with the allgather dispatcher, the globa
 z-loss and a shared expert; moe-edp, PP 2 x DP 2 with EP 1 (every expert's gradient reduced
 over the expert-data-parallel group, in DDP's expert buckets, overlapped) with the distributed
 optimizer, the sequence aux loss, and dense and MoE layers mixed (--moe-layer-freq: a dense
-layer, then three MoE ones). moe-ep and moe-edp untie the embeddings: with tied ones and DP > 1
-megatron's fully parallel save cannot save a V (megatron_lm's refusal says why). moe-pp4 and
+layer, then three MoE ones). moe-ep and moe-edp untie the embeddings (the dense tiers save tied
+ones at DP 2). moe-pp4 and
 moe-edp have no linear biases: megatron-core 0.16's experts add their bias in place to the
 output of a RowParallelLinear that returns its input as a view with EP 1
 (core/transformer/mlp.py:247), which autograd refuses under every schedule, 1f1b included."""
@@ -174,15 +174,15 @@ _MTP = ["--position-embedding-type", "rope", "--no-rope-fusion",
         "--untie-embeddings-and-output-weights"]
 MTP_CASES = {
     "mtp-pp2": ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1",
-                "--use-distributed-optimizer", "--no-ckpt-fully-parallel-save"] + _MTP,
+                "--use-distributed-optimizer"] + _MTP,
     "mtp-pp4": PP4 + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"] + _MTP,
 }
 """The multi-token prediction tiers' models on top of TINY_GPT (rope: Megatron-LM allows MTP with
 rope or no position embeddings only): mtp-pp2, PP 2 x DP 2 with one MTP layer (the logged loss
 averaged over DP) and the distributed optimizer (the embedding and the V's copy of it each in a
-bucket of their own, sharded alike, as megatron's DDP does for a shared embedding), saved
-without megatron's fully parallel save (with it a V cannot save at DP > 1, features.py's refusal
-says why); mtp-pp4, two MTP layers and a loss scaling factor of 0.3. Both untie the embeddings:
+bucket of their own, sharded alike, as megatron's DDP does for a shared embedding), saved with
+megatron's fully parallel save (the V's copy a replica written once: replicas.py); mtp-pp4, two
+MTP layers and a loss scaling factor of 0.3. Both untie the embeddings:
 megatron-core cannot save or load an MTP model with tied ones at PP > 1, under its own 1f1b too
 (its MTP stage builds an ``output_layer.weight`` the tied state dict refuses: 0.16
 language_module.py:343, 0.19 :497), so no comparison could start from a common checkpoint;
@@ -247,13 +247,15 @@ def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: i
 
 
 def resumed(runs: Runs, key: str, model: list, saved_by: str, schedule: str,
-            nproc: int = 4) -> Run:
-    """``schedule`` resumes at iteration 2 from the checkpoint ``saved_by``'s run wrote."""
+            nproc: int = 4, extra=()) -> Run:
+    """``schedule`` resumes at iteration 2 from the checkpoint ``saved_by``'s run wrote
+    (``extra``: flags of the resuming run alone)."""
     trained(runs, key, model, saved_by, nproc=nproc)
     folder = runs.path(f"{key}-{saved_by}") / "checkpoint"
-    return runs.get(f"{key}-{saved_by}-to-{schedule}", TINY_GPT + model + schedule_flags(schedule)
-                    + ["--load", str(folder), "--ckpt-step", "2", "--train-iters", str(ITERS)],
-                    nproc)
+    return runs.get(f"{key}-{saved_by}-to-{schedule}{''.join(extra)}",
+                    TINY_GPT + model + schedule_flags(schedule) + [
+                        "--load", str(folder), "--ckpt-step", "2", "--train-iters", str(ITERS),
+                        *extra], nproc)
 
 
 def under_torchrun(flags: list, record_dir: Path, nproc: int = 4) -> Records:
