@@ -3,6 +3,12 @@
 Under a V, pipeline rank 0 holds both ends of the model (embedding and LM head), so it needs
 the tokens *and* the labels of every microbatch; the other ranks read no data, except the
 documents' boundaries of packed sequences (--sft), which every stage's attention needs.
+
+Context parallelism: every context-parallel rank reads the whole microbatch (its data loader
+is that of its data-parallel rank, as in megatron) and keeps its slice with megatron-core's own
+function, as pretrain_gpt's get_batch does (:func:`on_this_cp_rank`): the load-balanced split
+(chunks r and 2cp-1-r of 2cp), per document for packed sequences (0.19-era training code only:
+core_v0.16.1's get_batch cannot split packs, features.py refuses --sft with CP there).
 """
 from __future__ import annotations
 
@@ -13,13 +19,14 @@ from typing import Callable
 
 import torch
 
-__all__ = ["VBatch", "VForwardStep", "is_v_dataset_rank", "packed_seq_params"]
+__all__ = ["VBatch", "VForwardStep", "is_v_dataset_rank", "packed_seq_params", "on_this_cp_rank"]
 
 
 def is_v_dataset_rank(packed: bool = False) -> bool:
     """Under a V only pipeline rank 0 (both ends of the model) reads data, on TP rank 0; with
     packed sequences (``--sft``) every pipeline rank does, for the documents' boundaries
-    (every stage's attention needs them), as Megatron-LM's 0.19-era pretrain_gpt does."""
+    (every stage's attention needs them), as Megatron-LM's 0.19-era pretrain_gpt does. Every
+    context-parallel rank reads (the whole microbatch, then keeps its slice), as in megatron."""
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_rank() == 0 and \
@@ -52,9 +59,10 @@ def packed_seq_params(cu_seqlens, max_seqlen, cu_seqlens_padded=None, seq_length
 class VBatch:
     """One microbatch, read on TP rank 0 and broadcast over the tensor-parallel group (as
     Megatron-LM's get_batch_on_this_tp_rank does): tokens, labels, loss mask and positions on
-    pipeline rank 0 (both ends of the V); with ``packed`` (``--sft``) the pack's document
-    boundaries on every pipeline rank, since every stage's attention must keep the documents
-    apart (without them they would attend to each other, silently)."""
+    pipeline rank 0 (both ends of the V), this context-parallel rank's slice of them
+    (:func:`on_this_cp_rank`); with ``packed`` (``--sft``) the pack's document boundaries on
+    every pipeline rank, since every stage's attention must keep the documents apart (without
+    them they would attend to each other, silently)."""
 
     seq_length: int
     micro_batch_size: int
@@ -76,7 +84,14 @@ class VBatch:
             return None, None, None, None, None, None
         data = next(data_iterator) if ps.get_tensor_model_parallel_rank() == 0 else None
         batch = self._tensors(data) if first else {}
-        packed = self._packed(data) if self.packed else None
+        if self.packed:
+            batch.update(self._offsets(data))
+            batch = _flattened(batch)
+        if first:
+            batch = on_this_cp_rank(batch)
+        packed = packed_seq_params(batch["cu_seqlens"], batch["max_seqlen"],
+                                   batch["cu_seqlens_padded"], self.seq_length) \
+            if self.packed else None
         return (batch.get("tokens"), batch.get("labels"), batch.get("loss_mask"),
                 batch.get("attention_mask"), batch.get("position_ids"), packed)
 
@@ -95,15 +110,57 @@ class VBatch:
             _tp_broadcast(batch[key])
         return batch
 
-    def _packed(self, data):
-        """The pack's PackedSeqParams, the same on every TP rank (offsets of any length)."""
+    def _offsets(self, data) -> dict:
+        """The pack's offsets as the data loader has them ([1, n] int32: one pack per
+        microbatch; the padded ones or None) and its longest document, the same on every TP
+        rank (offsets of any length)."""
         source = data is not None
         cu_seqlens = _tp_broadcast_offsets(data["cu_seqlens"] if source else None, source)
         padded = _tp_broadcast_offsets(data.get("cu_seqlens_padded") if source else None, source)
         longest = (data["max_seqlen"].to(_device()).reshape(1).to(torch.int32) if source else
                    torch.empty(1, dtype=torch.int32, device=_device()))
         _tp_broadcast(longest)
-        return packed_seq_params(cu_seqlens, longest, padded, self.seq_length)
+        return {"cu_seqlens": cu_seqlens.reshape(1, -1),
+                "cu_seqlens_padded": None if padded is None else padded.reshape(1, -1),
+                "max_seqlen": longest}
+
+
+def _flattened(batch: dict) -> dict:
+    """megatron-core >= 0.19's flatten_batch_for_packed_sequences (utils.py:2565; the 0.19-era
+    pretrain_gpt.py:150 calls it on every batch): one pack's offsets without the data
+    loader's trailing copies of the pack length, which 0.19's SFTDataset adds so that packs
+    stack (sft_dataset.py:184-191); the batch as it is where megatron-core has no such
+    function (0.16, whose SFTDataset adds none)."""
+    from megatron.core import utils
+
+    flatten = getattr(utils, "flatten_batch_for_packed_sequences", None)
+    return batch if flatten is None else flatten(batch)
+
+
+def on_this_cp_rank(batch: dict) -> dict:
+    """This context-parallel rank's slice of pipeline rank 0's batch, by megatron-core's own
+    function, called as Megatron-LM's get_batch calls it: core_v0.16.1's
+    ``get_batch_on_this_cp_rank(batch)`` (pretrain_gpt.py:89, megatron-core 0.16.1
+    utils.py:1994-2038); the 0.19 era's ``get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+    cp_group=...)`` (pretrain_gpt.py:167-173; megatron-core 0.19.2 utils.py:2612-2666: per
+    sequence, or per document through Transformer Engine's thd_get_partitioned_indices where
+    the batch has ``cu_seqlens``). The offsets and longest document stay whole (every rank's
+    attention takes the whole pack's). Nothing changes with one context-parallel rank."""
+    import inspect
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import utils
+
+    if ps.get_context_parallel_world_size() == 1:
+        return batch
+    split = utils.get_batch_on_this_cp_rank
+    if "is_hybrid_cp" in inspect.signature(split).parameters:  # megatron-core >= 0.19
+        return split(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
+    if batch.get("cu_seqlens") is not None:
+        raise ValueError("packed sequences (--sft) with --context-parallel-size > 1 need "
+                         "megatron-core >= 0.19: core_v0.16.1's get_batch cannot split a pack "
+                         "over context-parallel ranks (features.py says why)")
+    return split(batch)
 
 
 def _one_pack(offsets):

@@ -98,6 +98,25 @@ def _on(args, *names) -> bool:
     return any(getattr(args, name, None) not in (None, False, 0, "none", [], ()) for name in names)
 
 
+def _cp(args) -> int:
+    return getattr(args, "context_parallel_size", 1) or 1
+
+
+def _cp_comm_types(args) -> list:
+    """--cp-comm-type as a list (one type, or one per layer)."""
+    value = getattr(args, "cp_comm_type", None) or ["p2p"]
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _before_019(args) -> bool:
+    """Whether the parser is older than the 0.19-era training code's, which added
+    --dataloader-inter-document-masking with the get_batch that splits packs per document
+    over CP (0.19 pretrain_gpt.py:167-173): core_v0.16.1, the other supported code (a
+    namespace without the field is taken as core_v0.16.1, so a renamed field refuses rather
+    than accepts)."""
+    return not hasattr(args, "dataloader_inter_document_masking")
+
+
 def _moe(args) -> bool:
     return bool(getattr(args, "num_experts", None))
 
@@ -242,11 +261,47 @@ SETTINGS = (
     Setting("--sft (packed sequences)", ("sft",), lambda a: _on(a, "sft"), S, S,
             "every stage gets its pack's packed_seq_params; run with a stand-in of TE's "
             "packed (thd) attention", "tests/megatron/test_megatron_lm_sft.py"),
+    Setting("--dataloader-inter-document-masking", ("dataloader_inter_document_masking",),
+            lambda a: _on(a, "dataloader_inter_document_masking"), X, NA,
+            "does not pass the documents' boundaries of --dataloader-inter-document-masking "
+            "(0.19: the dataset's cu_seqlens, which Megatron-LM's get_batch turns into "
+            "packed_seq_params, pretrain_gpt.py:106) to its stages: the V's batch reads them "
+            "for --sft only, so documents would attend to each other: drop it, or use "
+            "--pipeline-schedule zb-1p or 1f1b (megatron's own get_batch)", since="0.19"),
     Setting("--transformer-impl transformer_engine", ("transformer_impl",),
             _te, S, S,
             "TE's own B/W split (delay_wgrad_compute, backward_dw in W), on a CPU stand-in of "
             "TE v2.11 (tests/support/te_stand_in: linears, norms, attention, grouped linear; "
             "dense at PP 4, TP 2 x PP 2 with sequence parallel)", TE),
+    Setting("--context-parallel-size > 1, --cp-comm-type p2p / a2a / all_gather",
+            ("context_parallel_size", "cp_comm_type"), lambda a: _cp(a) > 1, S, S,
+            "each CP rank's V reads its load-balanced slice of every microbatch with megatron's "
+            "own get_batch_on_this_cp_rank (zb-1p: megatron's get_batch), messages carry a CP "
+            "rank's share of the sequence, losses and gradients are reduced over CP as under "
+            "1f1b; on a CPU stand-in of TE v2.11's context-parallel attention (every "
+            "communication type gives its result; TE spells it all_gather: megatron's "
+            "'allgather' fails in TE's attention, under 1f1b too), CP 2 x PP 2 tied and "
+            "untied", TE + " (CP 2 x PP 2: v-half, v-zb, zb-1p; --sft with CP on the 0.19-era "
+            "training code, v-min)"),
+    Setting("--cp-comm-type a2a+p2p (hierarchical context parallelism)",
+            ("context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes"),
+            lambda a: _cp(a) > 1 and "a2a+p2p" in _cp_comm_types(a), X, X,
+            "is not tested with hierarchical context parallelism (--cp-comm-type a2a+p2p runs "
+            "all-to-all and ring communication over two nested groups of "
+            "--hierarchical-context-parallel-sizes, which needs CP >= 4 to be hierarchical; "
+            "the tests' CPU stand-in of Transformer Engine runs CP 2): use --cp-comm-type p2p, "
+            "a2a or all_gather, or --pipeline-schedule 1f1b"),
+    Setting("--sft with --context-parallel-size > 1, Megatron-LM core_v0.16.1",
+            ("sft", "context_parallel_size"),
+            lambda a: _on(a, "sft") and _cp(a) > 1 and _before_019(a), X, X,
+            "does not run packed sequences (--sft) with context parallelism on Megatron-LM "
+            "core_v0.16.1: its own get_batch cannot split a pack over CP ranks (its "
+            "get_batch_on_this_tp_rank reads no cu_seqlens_padded, so pretrain_gpt.py:81-93 "
+            "passes None to megatron-core 0.16's get_thd_batch_on_this_cp_rank, which hands it "
+            "to Transformer Engine's thd_get_partitioned_indices, utils.py:2070; and its "
+            "SFTDataset fails where CP padding overflows a pack, sft_dataset.py:149), so 1f1b "
+            "fails too and nothing proves a V: use the 0.19-era training code with "
+            "megatron-core 0.19.2, or --context-parallel-size 1"),
     Setting("--bf16", ("bf16",), lambda a: _on(a, "bf16"), R, R,
             "bit-identical to 1f1b in the CPU loop; on GPUs, every schedule gives 1F1B's losses "
             "in bf16 on one H100 and one H200 (megatron-core with local layers)",
@@ -310,16 +365,12 @@ SETTINGS = (
             "reset the stash every step, pipeline_parallel/schedules.py:738; ours do not): "
             "drop it, or use --pipeline-schedule 1f1b", since="0.19"),
     # -- parallelism and precision the schedules do not run yet -------------------------------
-    Setting("--context-parallel-size > 1", ("context_parallel_size",),
-            lambda a: getattr(a, "context_parallel_size", 1) > 1, X, X,
-            "is not tested with context parallelism (megatron's attention needs Transformer "
-            "Engine for it, so no CPU test runs it): use --context-parallel-size 1, or "
-            "--pipeline-schedule 1f1b"),
     Setting("--hybrid-context-parallel", ("hybrid_context_parallel",),
             lambda a: _on(a, "hybrid_context_parallel"), X, X,
             "does not support --hybrid-context-parallel (packs of varying length over dynamic "
-            "context-parallel groups, run by megatron's own schedule): drop it, or use "
-            "--pipeline-schedule 1f1b"),
+            "context-parallel groups, run by megatron's own schedule; Megatron-LM refuses it "
+            "with pipeline parallelism itself, core_v0.16.1 arguments.py:919, 0.19 :1405): "
+            "drop it, or use --pipeline-schedule 1f1b"),
     Setting("--fp8-format, --fp4-format", ("fp8", "fp4"), lambda a: _on(a, "fp8", "fp4"), X, X,
             "is not tested with FP8 or FP4 training (--fp8-format / --fp4-format: Transformer "
             "Engine's scaling state and cached low-precision weights under the B/W split run "

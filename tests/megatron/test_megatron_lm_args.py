@@ -68,7 +68,11 @@ def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
      "stage s lives on rank s % p"),
     (["--pipeline-schedule", "v-half"], {"account_for_loss_in_pipeline_split": True},
      "num_layers = k x PP - 2"),
-    (["--pipeline-schedule", "v-half"], {"context_parallel_size": 2}, "--context-parallel-size 1"),
+    (["--pipeline-schedule", "v-half"], {"context_parallel_size": 4, "cp_comm_type": ["a2a+p2p"],
+                                         "hierarchical_context_parallel_sizes": [2, 2]},
+     "use --cp-comm-type p2p, a2a or all_gather"),
+    (["--pipeline-schedule", "v-half"], {"context_parallel_size": 2, "sft": True},
+     "or --context-parallel-size 1"),
     (["--pipeline-schedule", "v-half"], {"use_legacy_models": True}, "drop --use-legacy-models"),
     (["--pipeline-schedule", "v-half"], {"use_torch_fsdp2": True}, "drop --use-torch-fsdp2"),
     (["--pipeline-schedule", "v-half"], {"delay_wgrad_compute": True},
@@ -94,7 +98,9 @@ def test_bad_combinations_name_the_flag(argv, megatron, needle):
 
 
 PIPELINE_REFUSALS = [
-    ({"context_parallel_size": 2}, "--context-parallel-size 1"),
+    ({"context_parallel_size": 2, "cp_comm_type": ["p2p", "a2a+p2p"],
+      "hierarchical_context_parallel_sizes": [1, 2]}, "hierarchical context parallelism"),
+    ({"context_parallel_size": 2, "sft": True}, "Megatron-LM core_v0.16.1"),
     ({"hybrid_context_parallel": True}, "--hybrid-context-parallel"),
     ({"use_legacy_models": True}, "drop --use-legacy-models"),
     ({"use_megatron_fsdp": True}, "drop --use-torch-fsdp2 / --use-megatron-fsdp"),
@@ -182,6 +188,29 @@ def test_moe_is_accepted_with_the_tested_dispatchers(schedule):
                           moe_use_legacy_grouped_gemm=False))
 
 
+@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto", "zb-1p"])
+def test_context_parallelism_is_accepted_and_named_as_a_stand_in(schedule):
+    """--context-parallel-size 2 with every --cp-comm-type but hierarchical a2a+p2p, a list of
+    them per layer, and --sft on the 0.19-era training code (whose parser has
+    --dataloader-inter-document-masking) run under every schedule of the plugin
+    (tests/megatron/test_megatron_lm_te.py); proven on TE's CPU stand-in only, so named at
+    start-up and refused under --pipeline-strict."""
+    from megatron_vshape.megatron.arguments import stand_in_notice
+
+    for comm in (["p2p"], ["a2a"], ["all_gather"], ["p2p", "a2a"]):
+        check_arguments(_args(["--pipeline-schedule", schedule], context_parallel_size=2,
+                              cp_comm_type=comm))
+    check_arguments(_args(["--pipeline-schedule", schedule], context_parallel_size=2, sft=True,
+                          dataloader_inter_document_masking=False))
+    check_arguments(_args(["--pipeline-schedule", schedule], context_parallel_size=1, sft=True))
+    args = _args(["--pipeline-schedule", schedule], context_parallel_size=2)
+    check_arguments(args)
+    assert "--context-parallel-size > 1" in stand_in_notice(args)
+    with pytest.raises(ValueError, match="with --pipeline-strict: --context-parallel-size > 1"):
+        check_arguments(_args(["--pipeline-schedule", schedule, "--pipeline-strict"],
+                              context_parallel_size=2))
+
+
 def test_tied_embeddings_save_fully_parallel_under_data_parallel():
     """Tied embeddings with DP > 1 save with megatron's fully parallel save under every
     schedule (a V keeps rank 0's copy of the embedding a replica: model.save_copy_as_replica);
@@ -253,11 +282,12 @@ def test_every_refusal_that_applies_comes_in_one_error():
         check_arguments(_args(["--pipeline-schedule", "v-half", "--pipeline-memory-limit", "0.5"],
                               num_experts=8, moe_token_dispatcher_type="flex",
                               moe_grouped_gemm=True, context_parallel_size=2,
-                              tp_comm_overlap=True))
+                              cp_comm_type=["a2a+p2p"], tp_comm_overlap=True))
     lines = str(err.value).splitlines()
     assert lines[0].startswith("5 settings stop this run")
     needles = ["--moe-grouped-gemm", "--moe-token-dispatcher-type alltoall",
-               "--context-parallel-size 1", "--tp-comm-overlap", "--pipeline-memory-limit"]
+               "--cp-comm-type p2p, a2a or all_gather", "--tp-comm-overlap",
+               "--pipeline-memory-limit"]
     assert len(lines) == 6 and all(line.startswith("- --pipeline-") for line in lines[1:])
     for needle in needles:
         assert sum(needle in line for line in lines[1:]) >= 1, needle
@@ -292,3 +322,14 @@ def test_the_features_table_gives_every_refusal_a_way_out():
             assert any(word in row.why for word in ("drop", "use ", "add ", "must be")), row.flags
         if any(v in (Verdict.REAL, Verdict.STAND_IN, Verdict.GPU) for v in verdicts):
             assert row.proven_by, row.flags
+
+
+def test_inter_document_masking_is_refused_under_a_v():
+    """0.19's --dataloader-inter-document-masking gives megatron's get_batch the documents'
+    offsets; the V's batch reads them for --sft only, so a V refuses it (zb-1p keeps
+    megatron's own get_batch)."""
+    with pytest.raises(ValueError, match="--dataloader-inter-document-masking"):
+        check_arguments(_args(["--pipeline-schedule", "v-half"],
+                              dataloader_inter_document_masking=True))
+    check_arguments(_args(["--pipeline-schedule", "zb-1p"],
+                          dataloader_inter_document_masking=True))

@@ -28,6 +28,7 @@ pytest.importorskip("megatron.core")
 
 from support.megatron_lm_launch import MEGATRON_LM, Launcher  # noqa: E402
 from support.megatron_lm_probe import read_records  # noqa: E402
+from support.sft_run import SFT_GPT  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -42,22 +43,6 @@ microbatches may differ (a few ulps), as in tests/megatron/test_megatron_lm_e2e.
 also splits the GEMMs (measured: losses 9e-8, grad norms 6e-7 relative)."""
 ITERS = 4
 
-SFT_GPT = (
-    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 8 "
-    "--lr 1e-3 --min-lr 1e-4 --seed 1234 --attention-dropout 0 --hidden-dropout 0 "
-    "--sft --mock-data --no-create-attention-mask-in-dataloader "
-    "--tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 "
-    "--transformer-impl local --no-gradient-accumulation-fusion --use-cpu-initialization "
-    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
-    "--no-bias-dropout-fusion --distributed-backend gloo --log-interval 1 "
-    "--eval-interval 2 --eval-iters 1 --num-workers 0 "
-    "--pipeline-model-parallel-size 2").split()
-"""tests/megatron/test_megatron_lm_e2e.py's tiny GPT with --sft: one pack per microbatch (megatron
-packs into --micro-batch-size 1), no attention mask from the data loader (SFTDataset makes
-none), PP 2. Megatron-LM core_v0.16.1's own get_batch gives packed_seq_params to its first and
-last pipeline stages only, so its 1f1b is the reference at PP 2, where every stage is one of
-those."""
 LAYOUTS = {"pp2dp2": ([], 4), "pp2": ([], 2),
            "tp2pp2": (["--tensor-model-parallel-size", "2"], 4),
            "pp4": (["--pipeline-model-parallel-size", "4"], 4)}

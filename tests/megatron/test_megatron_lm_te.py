@@ -26,17 +26,33 @@ with the installed megatron-core (core_v0.16.1 with 0.16.1, the 0.19 era with 0.
                   optimizer, dense and MoE layers mixed (MOE_CASES["moe-edp"]), v-half
     te-tp2pp2-sp  dense, TP 2 x PP 2 with sequence parallel (TE's own all-gathers and
                   reduce-scatters in its linears), v-min
+    te-cp2pp2     dense, CP 2 x PP 2, tied embeddings, --cp-comm-type p2p, from te-pp4's
+                  initial checkpoint (resharded), v-half and zb-1p
+    te-cp2pp2-untied  the same untied, --cp-comm-type a2a (its own initial checkpoint), v-zb
+    sft-cp2pp2    --sft (packed sequences, support/sft_run.py) at CP 2 x PP 2 from te-pp4's
+                  initial checkpoint, v-min (the 0.19-era training code only: core_v0.16.1's
+                  get_batch cannot split packs over CP, features.py refuses it there)
+
+Context parallelism runs the stand-in's context-parallel attention (every CP rank's queries
+against the whole sequence's keys and values, te_stand_in/.../attention/context_parallel.py);
+each CP rank's V reads its slice of every microbatch with megatron's own
+get_batch_on_this_cp_rank (batch.on_this_cp_rank), messages are a CP rank's share of the
+sequence, and losses and gradients are reduced over CP as under 1f1b (megatron's forward_step
+and finalize_model_grads).
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from support.megatron_lm_launch import MEGATRON_LM, Launcher
+from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
 from support.megatron_lm_tier import (
-    MOE_CASES, PP4, Runs, assert_same_moe_metrics, assert_same_training)
+    ITERS, MOE_CASES, PP4, Run, Runs, assert_same_moe_metrics, assert_same_training,
+    initial_checkpoint)
 from support.megatron_lm_tier import trained as _trained
+from support.sft_run import SFT_GPT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron_versions]
 
@@ -52,7 +68,12 @@ MODELS = {
     "te-moe-edp": GROUPED + MOE_CASES["moe-edp"],
     "te-tp2pp2-sp": TE + ["--tensor-model-parallel-size", "2",
                           "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
+    "te-cp2pp2": TE + ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
 }
+MODELS["te-cp2pp2-untied"] = MODELS["te-cp2pp2"] + ["--untie-embeddings-and-output-weights",
+                                                    "--cp-comm-type", "a2a"]
+FROM_PP4 = ("te-pp4", MODELS["te-pp4"])
+"""te-pp4's initial checkpoint: the tied CP runs start from it (the same model at PP 4)."""
 SCHEDULES = ["zb-1p", "v-min", "v-half", "v-zb", "auto"]
 
 
@@ -63,10 +84,10 @@ def runs(tmp_path_factory):
     launcher.close()
 
 
-def trained(runs, key, model, schedule):
+def trained(runs, key, model, schedule, start_from=None):
     """The tier's run of ``model`` under ``schedule``, without checkpoints (no test here
     resumes one; saving costs seconds per run)."""
-    return _trained(runs, key, model, schedule, save=False)
+    return _trained(runs, key, model, schedule, save=False, start_from=start_from)
 
 
 def _w_calls_backward_dw(log: str, *types: str) -> None:
@@ -132,3 +153,53 @@ def test_tensor_and_sequence_parallel_te_layers_train_like_1f1b(runs):
     got = trained(runs, "te-tp2pp2-sp", MODELS["te-tp2pp2-sp"], "v-min")
     assert_same_training(got, reference, "te-tp2pp2-sp v-min")
     _w_calls_backward_dw(got.log(0), "TELayerNormColumnParallelLinear", "TERowParallelLinear")
+
+
+@pytest.mark.parametrize("case,schedule", [("te-cp2pp2", "v-half"), ("te-cp2pp2", "zb-1p"),
+                                           ("te-cp2pp2-untied", "v-zb")])
+def test_context_parallel_trains_like_1f1b(runs, case, schedule):
+    """CP 2 x PP 2: each CP rank's V gets its load-balanced slice of every microbatch (its
+    activations, so its messages, are half the sequence: a whole-sequence batch would fail
+    the receive), its attention reaches the other rank's keys and values, and the loss (x CP)
+    and gradients (over DP x CP) are reduced as 1f1b's; zb-1p keeps megatron's get_batch.
+    Tied embeddings with --cp-comm-type p2p, untied with a2a (megatron passes it through to
+    TE's attention); the run names context parallelism among its stand-in settings."""
+    start = FROM_PP4 if case == "te-cp2pp2" else None
+    reference = trained(runs, case, MODELS[case], "1f1b", start_from=start)
+    got = trained(runs, case, MODELS[case], schedule, start_from=start)
+    assert_same_training(got, reference, f"{case} {schedule}")
+    _w_calls_backward_dw(got.log(0), "TELayerNormColumnParallelLinear", "TERowParallelLinear")
+    notice = next(l for l in got.log(0).splitlines() if "proven on CPU with stand-ins" in l)
+    assert "--context-parallel-size > 1" in notice, notice
+
+
+SFT_RUNNER = Path(__file__).parents[1] / "support" / "sft_run.py"
+
+
+def _packed(runs, schedule) -> Run:
+    """--sft at CP 2 x PP 2 (support/sft_run.py's packs, each document padded by SFTDataset to
+    a multiple of 2 x CP) from te-pp4's initial checkpoint: the same model."""
+    start = initial_checkpoint(runs, *FROM_PP4)
+    return runs.get(f"sft-cp2pp2-{schedule}",
+                    SFT_GPT + TE + ["--context-parallel-size", "2", "--pipeline-schedule",
+                                    schedule, "--train-iters", str(ITERS)] + start,
+                    script=SFT_RUNNER)
+
+
+def test_context_parallel_packed_sequences_train_like_1f1b(runs):
+    """--sft with CP 2 on the 0.19-era training code: every document of a pack split over the
+    CP ranks by TE's thd_get_partitioned_indices (megatron's per-document split, called by
+    the V's batch on pipeline rank 0), the pack's offsets on every pipeline rank, thd
+    attention over the whole pack's keys; lm loss, grad norm and validation loss of 1f1b.
+    On core_v0.16.1, whose get_batch cannot split a pack over CP (1f1b fails too), the run
+    stops at argument parsing, naming the way out (its parser lacks the 0.19 field the
+    refusal looks for)."""
+    if TAKES_CONFIG_CONTAINER:
+        assert_same_training(_packed(runs, "v-min"), _packed(runs, "1f1b"), "sft-cp2pp2 v-min")
+        return
+    result = runs.attempt("sft-cp2pp2-refused", SFT_GPT + TE + [
+        "--context-parallel-size", "2", "--pipeline-schedule", "v-min"], script=SFT_RUNNER)
+    assert not result.ok
+    assert "--pipeline-schedule v-min does not run packed sequences (--sft) with context " \
+           "parallelism on Megatron-LM core_v0.16.1" in result.log(0), result.log(0)[-2000:]
+    assert "initializing torch distributed" not in result.log(0)

@@ -66,3 +66,29 @@ def test_tensor_parallel_linears_on_two_ranks():
     for rank, result in enumerate(_one(workers.tensor_parallel_checks, world=2)):
         for case, worst in result.items():
             assert worst <= TOL, (rank, case, worst)
+
+
+def test_context_parallel_attention_equals_attention_over_the_whole_sequence():
+    """CP 2, every cp_comm_type (a2a+p2p over [CP group, a one-rank group] falls back to a2a
+    as TE's does): each rank's output and query/key/value gradients of its load-balanced
+    slice (chunks r and 3-r of 4; for "thd" of each document, with and without padded
+    offsets) equal the stand-in's attention over the whole sequence (causal with grouped-query
+    heads, no mask, thd packs); TE's refusals: megatron's spelling "allgather", padding masks
+    under all_gather, thd under a2a+p2p, heads not divisible by CP under a2a.
+    tex.thd_get_partitioned_indices gives each rank chunks r and 3-r of every document, int32,
+    and refuses None (TypeError), a document not a multiple of 2 x CP and int64 offsets."""
+    refusals = {"allgather": "ValueError: Unsupported communication type: allgather!",
+                "all_gather thd": "AssertionError: padding_causal mask type is not supported!",
+                "a2a+p2p thd": "AssertionError: thd format is not supported with hierarchical",
+                "a2a heads": "AssertionError: The number of attention heads needs to be "
+                             "divisible by CP size!"}
+    results = _one(workers.context_parallel_checks, world=2)
+    for rank, result in enumerate(results):
+        compared = [k for k, v in result.items() if isinstance(v, float)]
+        assert len(compared) == 16, compared  # 4 types x 5 cases, less the 4 TE refuses
+        for case in compared:
+            assert result[case] <= TOL, (rank, case, result[case])
+        for name, message in refusals.items():
+            assert result[f"refuses {name}"].startswith(message), (rank, name, result)
+    assert results[0]["partition"] == {"wrong": 0, "errors": {
+        "none": "TypeError", "odd document": "RuntimeError", "int64": "RuntimeError"}}

@@ -58,22 +58,25 @@ class Runs:
     def __init__(self, launcher: Launcher, root: Path):
         self.launcher, self.root, self._done = launcher, root, {}
 
-    def get(self, name: str, flags: list, nproc: int = 4) -> Run:
+    def get(self, name: str, flags: list, nproc: int = 4, script: Path = SCRIPT) -> Run:
+        """The run ``name`` of ``script`` (the training script, or a runner around it such as
+        support/sft_run.py) with ``flags``, launched on first use."""
         if name not in self._done:
             folder = self.root / name
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
-            result = self.launcher.run(SCRIPT, flags, nproc, folder / "logs",
+            result = self.launcher.run(script, flags, nproc, folder / "logs",
                                        env={"VSHAPE_E2E_RECORD": str(folder)})
             assert result.ok, f"run {name!r} failed:\n{result.failure()}"
             self._done[name] = Run(result, read_records(folder, nproc - 1), folder)
         return self._done[name]
 
-    def attempt(self, name: str, flags: list, nproc: int = 4, env=None) -> RunResult:
+    def attempt(self, name: str, flags: list, nproc: int = 4, env=None,
+                script: Path = SCRIPT) -> RunResult:
         """A run expected to fail: its result, whatever it is (not cached)."""
         folder = self.root / name
         shutil.rmtree(folder, ignore_errors=True)
-        return self.launcher.run(SCRIPT, flags, nproc, folder / "logs", env=env)
+        return self.launcher.run(script, flags, nproc, folder / "logs", env=env)
 
     def path(self, name: str) -> Path:
         return self.root / name
@@ -236,10 +239,12 @@ def uneven_zb1p_runs(runs: Runs, key: str, model: list) -> tuple[Run, Run]:
 
 
 def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4,
-            save: bool = True) -> Run:
+            save: bool = True, start_from: tuple | None = None) -> Run:
     """``schedule`` trains ITERS iterations of ``model`` from its initial checkpoint (saving a
-    checkpoint at iteration 2 and 4 for :func:`resumed`, unless ``save`` is False)."""
-    start = initial_checkpoint(runs, key, model, nproc)
+    checkpoint at iteration 2 and 4 for :func:`resumed`, unless ``save`` is False).
+    ``start_from``: (key, model) of another model's initial checkpoint to start from (the
+    same weights under other parallel sizes: megatron's distributed checkpoints reshard)."""
+    start = initial_checkpoint(runs, *(start_from or (key, model)), nproc)
     save = ["--save", str(runs.path(f"{key}-{schedule}") / "checkpoint"), "--save-interval",
             "2"] if save else []
     return runs.get(f"{key}-{schedule}", TINY_GPT + model + start + schedule_flags(schedule) +

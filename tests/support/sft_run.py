@@ -37,6 +37,23 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_gpt_vshape.
 STRICT = "VSHAPE_SFT_STRICT"
 CONVERSATIONS = 256
 
+SFT_GPT = (
+    "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 8 "
+    "--lr 1e-3 --min-lr 1e-4 --seed 1234 --attention-dropout 0 --hidden-dropout 0 "
+    "--sft --mock-data --no-create-attention-mask-in-dataloader "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --split 98,1,1 "
+    "--transformer-impl local --no-gradient-accumulation-fusion --use-cpu-initialization "
+    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
+    "--no-bias-dropout-fusion --distributed-backend gloo --log-interval 1 "
+    "--eval-interval 2 --eval-iters 1 --num-workers 0 "
+    "--pipeline-model-parallel-size 2").split()
+"""tests/megatron/test_megatron_lm_e2e.py's tiny GPT with --sft: one pack per microbatch (megatron
+packs into --micro-batch-size 1), no attention mask from the data loader (SFTDataset makes
+none), PP 2. Megatron-LM core_v0.16.1's own get_batch gives packed_seq_params to its first and
+last pipeline stages only, so its 1f1b is the reference at PP 2, where every stage is one of
+those."""
+
 
 def _block_causal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     """[1, 1, t, t], True where attention is masked out: later tokens and other documents."""

@@ -15,7 +15,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-__all__ = ["single_process_checks", "tensor_parallel_checks", "delayed_wgrad_checks"]
+__all__ = ["single_process_checks", "tensor_parallel_checks", "delayed_wgrad_checks",
+           "context_parallel_checks"]
 
 F64 = torch.float64
 
@@ -350,3 +351,149 @@ def _tp_linear(te, group, rank, world, mode, sp, ln=False) -> float:
         (ref_x.grad.chunk(world, dim=-1)[rank] if mode == "row" else ref_x.grad)
     ref_dw = w.grad.chunk(world, dim=0 if mode == "column" else 1)[rank]
     return max(_diff(y, ref_y), _diff(local_x.grad, ref_dx), _diff(lin.weight.grad, ref_dw))
+
+
+# -- context parallel ---------------------------------------------------------------------------
+CP_CASES = {
+    "sbhd-causal-gqa": ("sbhd", "causal", 2),
+    "bshd-causal": ("bshd", "causal", 4),
+    "sbhd-no-mask": ("sbhd", "no_mask", 4),
+    "thd-padded": ("thd", "padding_causal", 4),
+    "thd-unpadded": ("thd", "padding_causal", 4),
+}
+"""name: (layout, mask, key/value heads of 4 query heads). "thd-padded": documents of 3, 7 and
+2 tokens padded to 4, 8 and 4 (cu_seqlens_padded given, padding between documents);
+"thd-unpadded": documents of 4, 8 and 4 with no padded offsets (megatron 0.19's --sft with
+CP: its SFTDataset pads each document to a multiple of 2 x CP, and cu_seqlens are those)."""
+CP_COMM = ("p2p", "all_gather", "a2a", "a2a+p2p")
+REFUSE_THD = ("all_gather", "a2a+p2p")
+"""The communications TE refuses "thd" under (all_gather takes no padding mask; a2a+p2p no
+"thd"): the cases below skip them, _cp_refusals checks the refusal."""
+
+
+def context_parallel_checks(rank, world) -> dict:
+    """CP ``world``: each rank's output and query/key/value gradients of the stand-in's
+    context-parallel attention against its own attention over the whole sequence (float64),
+    for every communication type; the refusals TE makes; the thd partition."""
+    te = _import_te()
+    group = torch.distributed.new_group(list(range(world)))
+    singles = [torch.distributed.new_group([r]) for r in range(world)]
+    results = {}
+    for comm in CP_COMM:
+        cp_group = [group, singles[rank]] if comm == "a2a+p2p" else group  # a2a+p2p: [a2a, p2p]
+        for name, (fmt, mask, kv_heads) in CP_CASES.items():
+            if fmt == "thd" and comm in REFUSE_THD:
+                continue
+            results[f"{comm} {name}"] = _cp_case(te, cp_group, comm, rank, world, fmt, mask,
+                                                 kv_heads, name)
+    results.update(_cp_refusals(te, group, rank, world))
+    if rank == 0:
+        results["partition"] = _thd_partition(world)
+    return results
+
+
+def _cp_inputs(fmt, name, kv_heads):
+    """Whole-sequence q, k, v, output gradient and offsets (the same on every rank)."""
+    torch.manual_seed(3)
+    if fmt == "thd":
+        if name == "thd-padded":
+            cu, padded = torch.tensor([0, 3, 11, 13]), torch.tensor([0, 4, 12, 16])
+        else:
+            cu, padded = torch.tensor([0, 4, 12, 16]), None
+        shape = lambda heads: (16, heads, 8)  # noqa: E731
+    else:
+        cu = padded = None
+        shape = (lambda heads: (8, 2, heads, 8)) if fmt == "sbhd" else \
+            (lambda heads: (2, 8, heads, 8))
+    q, k, v = _rand(*shape(4)), _rand(*shape(kv_heads)), _rand(*shape(kv_heads))
+    return q, k, v, cu, padded
+
+
+def _cp_case(te, cp_group, comm, rank, world, fmt, mask, kv_heads, name) -> float:
+    import transformer_engine_torch as tex
+
+    q, k, v, cu, padded = _cp_inputs(fmt, name, kv_heads)
+    kwargs = {}
+    if cu is not None:
+        kwargs = dict(cu_seqlens_q=cu.to(torch.int32), cu_seqlens_kv=cu.to(torch.int32),
+                      cu_seqlens_q_padded=None if padded is None else padded.to(torch.int32),
+                      cu_seqlens_kv_padded=None if padded is None else padded.to(torch.int32))
+    whole = te.pytorch.DotProductAttention(4, 8, num_gqa_groups=kv_heads, qkv_format=fmt)
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = whole(*refs, attn_mask_type=mask, **kwargs)
+    grad = _rand(*out.shape)
+    out.backward(grad)
+    seq_dim = 1 if fmt == "bshd" else 0
+    total = q.shape[seq_dim]
+    if fmt == "thd":
+        offsets = (padded if padded is not None else cu).to(torch.int32)
+        index = tex.thd_get_partitioned_indices(offsets, total, world, rank).to(torch.int64)
+    else:
+        chunk = total // (2 * world)
+        index = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                           torch.arange((2 * world - 1 - rank) * chunk,
+                                        (2 * world - rank) * chunk)])
+    mine = [t.index_select(seq_dim, index).clone().requires_grad_() for t in (q, k, v)]
+    dpa = te.pytorch.DotProductAttention(4, 8, num_gqa_groups=kv_heads, qkv_format=fmt,
+                                         cp_group=cp_group, cp_comm_type=comm)
+    local = dpa(*mine, attn_mask_type=mask, **kwargs)
+    local.backward(grad.index_select(seq_dim, index))
+    return max([_diff(local, out.index_select(seq_dim, index))] +
+               [_diff(m.grad, r.grad.index_select(seq_dim, index)) for m, r in zip(mine, refs)])
+
+
+def _cp_refusals(te, group, rank, world) -> dict:
+    """The errors TE gives: megatron's spelling "allgather" (TE's is "all_gather"), padding
+    masks under all_gather, thd under a2a+p2p, and heads not divisible by CP under a2a."""
+    q, k, v, cu, _ = _cp_inputs("thd", "thd-unpadded", 4)
+    cu = cu.to(torch.int32)
+    local = [t[: t.shape[0] // world] for t in (q, k, v)]
+    thd = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+               attn_mask_type="padding_causal")
+    sq, sk, sv = (t[:4] for t in _cp_inputs("sbhd", "", 4)[:3])
+    cases = {"allgather": ("allgather", group, local, thd),
+             "all_gather thd": ("all_gather", group, local, thd),
+             "a2a+p2p thd": ("a2a+p2p", [group, group], local, thd),
+             "a2a heads": ("a2a", group, [sq[:, :, :1], sk[:, :, :1], sv[:, :, :1]],
+                           dict(attn_mask_type="causal"))}
+    out = {}
+    for name, (comm, cp_group, tensors, kwargs) in cases.items():
+        heads = tensors[0].shape[-2]
+        dpa = te.pytorch.DotProductAttention(heads, 8, qkv_format="sbhd", cp_group=group,
+                                             cp_comm_type="p2p")
+        dpa.cp_group, dpa.cp_comm_type = cp_group, comm  # as set_context_parallel_group would
+        try:
+            dpa(*tensors, **kwargs)
+            out[f"refuses {name}"] = "ran"
+        except (AssertionError, ValueError) as err:
+            out[f"refuses {name}"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _thd_partition(world) -> dict:
+    """tex.thd_get_partitioned_indices against the split written out: of each document's
+    2 x world chunks, rank r takes chunk r then chunk 2 x world - 1 - r; its errors."""
+    import transformer_engine_torch as tex
+
+    cu = torch.tensor([0, 4, 12, 20, 24], dtype=torch.int32)
+    wrong = 0
+    for rank in range(world):
+        want = []
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            chunk = (end - start) // (2 * world)
+            for c in (rank, 2 * world - 1 - rank):
+                want += range(start + c * chunk, start + (c + 1) * chunk)
+        got = tex.thd_get_partitioned_indices(cu, 24, world, rank)
+        wrong += int(got.dtype != torch.int32 or got.tolist() != want)
+    errors = {}
+    for name, call in {"none": lambda: tex.thd_get_partitioned_indices(None, 24, world, 0),
+                       "odd document": lambda: tex.thd_get_partitioned_indices(
+                           torch.tensor([0, 6, 24], dtype=torch.int32), 24, world, 0),
+                       "int64": lambda: tex.thd_get_partitioned_indices(cu.long(), 24, world, 0)
+                       }.items():
+        try:
+            call()
+            errors[name] = "ran"
+        except (TypeError, RuntimeError) as err:
+            errors[name] = type(err).__name__
+    return {"wrong": wrong, "errors": errors}

@@ -15,10 +15,11 @@ asks "thd" for padding_causal / padding (megatron-core 0.16.1 extensions/transfo
 :1397-1404). A document's tokens between its length (``cu_seqlens``) and its padded length
 (``cu_seqlens_*_padded``) attend nothing and produce zeros.
 
-Positions, not indices, decide the causal mask (:func:`_Tokens`): so that context parallelism
-can be added by gathering key/value and giving each token its global position (megatron's
-load-balanced split gives CP rank r the chunks r and 2cp-1-r of 2cp, :func:`cp_positions`).
-Context parallelism itself (``cp_group`` of size > 1) is not imitated: it is refused.
+Positions, not indices, decide the causal mask (:func:`_Tokens`). Context parallelism
+(``cp_group`` of more than one rank, every ``cp_comm_type``) is the result of TE's
+context_parallel.py (see that module here): this rank's queries -- chunks r and 2cp-1-r of 2cp
+of the sequence, or of each document for "thd" -- attend to the keys and values of the whole
+sequence, gathered over the CP group, each token with its global position and document.
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ from typing import Optional
 import torch
 
 from .. import _comm
+from . import context_parallel as cp
 
-__all__ = ["DotProductAttention", "cp_positions"]
+__all__ = ["DotProductAttention"]
 
 _CAUSAL = {"causal", "padding_causal", "causal_bottom_right", "padding_causal_bottom_right"}
 _FULL = {"no_mask", "padding"}
@@ -39,18 +41,6 @@ _FULL = {"no_mask", "padding"}
 
 def _not_imitated(what: str):
     return NotImplementedError(f"the CPU stand-in of Transformer Engine does not imitate {what}")
-
-
-def cp_positions(seq_len: int, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
-    """Global positions of one CP rank's tokens when a sequence of ``seq_len`` is split into
-    2 x cp_size chunks and rank r holds chunks r and 2cp-1-r (megatron's load-balanced split,
-    which TE's context-parallel attention expects); every position with cp_size 1."""
-    if cp_size == 1:
-        return torch.arange(seq_len)
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
-    return torch.cat([first, second])
 
 
 @dataclass(frozen=True)
@@ -79,6 +69,11 @@ class _Tokens:
         document = torch.bucketize(index, starts[1:], right=True).clamp(max=len(lengths) - 1)
         position = index - starts[document]
         return _Tokens(position, document, position < lengths[document])
+
+
+def _take(tokens: _Tokens, index: torch.Tensor) -> _Tokens:
+    """The tokens at ``index`` (a context-parallel rank's, or the gathered ones)."""
+    return _Tokens(tokens.position[index], tokens.document[index], tokens.valid[index])
 
 
 def _mask(q: _Tokens, k: _Tokens, mask_type: str) -> torch.Tensor:
@@ -139,10 +134,13 @@ class DotProductAttention(torch.nn.Module):
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type: str = "p2p") -> None:
-        """:529-580: where context parallelism would be configured (refused beyond one rank)."""
-        if cp_group is not None and not isinstance(cp_group, list) and \
-                _comm.world_size(cp_group) > 1:
-            raise _not_imitated("context parallelism (cp_group of more than one rank)")
+        """:529-580: the context-parallel group (a list of [a2a, p2p] groups for "a2a+p2p"),
+        its ranks, stream and communication type; hierarchical a2a+p2p over two groups of
+        more than one rank each is refused here (context_parallel.resolve_group)."""
+        if isinstance(cp_group, (list, tuple)) and cp_comm_type == "a2a+p2p" and \
+                all(_comm.world_size(g) > 1 for g in cp_group):
+            raise _not_imitated("hierarchical context parallelism (cp_comm_type a2a+p2p over "
+                                "two groups of more than one rank each)")
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
 
@@ -167,6 +165,9 @@ class DotProductAttention(torch.nn.Module):
         if mask_type not in _CAUSAL | _FULL | {"arbitrary"}:
             raise ValueError(f"attn_mask_type {mask_type!r} not supported")
         bias = core_attention_bias if core_attention_bias_type == "post_scale_bias" else None
+        if cp.group_size(self.cp_group) > 1:
+            return self._context_parallel(query_layer, key_layer, value_layer, fmt, mask_type,
+                                          cu_seqlens_q, cu_seqlens_q_padded, bias, window_size)
         if fmt == "thd":
             q_tokens = _Tokens.packed(query_layer.shape[0], cu_seqlens_q, cu_seqlens_q_padded)
             k_tokens = _Tokens.packed(key_layer.shape[0], cu_seqlens_kv, cu_seqlens_kv_padded)
@@ -185,6 +186,41 @@ class DotProductAttention(torch.nn.Module):
         arbitrary = attention_mask if mask_type == "arbitrary" else None
         out = self._attend(q, k, v, q_tokens, k_tokens, mask_type, arbitrary, bias)
         out = to_bshd(out)  # back to the input's layout
+        return out.reshape(*out.shape[:2], -1)
+
+    def _context_parallel(self, query, key, value, fmt: str, mask_type: str, cu_seqlens,
+                          cu_seqlens_padded, bias, window_size) -> torch.Tensor:
+        """context_parallel.py:3890-4110 (attn_forward_func_with_cp), its result: this rank's
+        queries over the whole sequence's keys and values (module doc of context_parallel).
+        "thd" takes ``cu_seqlens`` as the padded offsets where none are given, as TE's flash
+        and fused backends pass them (backends.py:878-879, :1834-1837)."""
+        group, comm = cp.resolve_group(self.cp_group, self.cp_comm_type, fmt, bias is not None)
+        size, rank = _comm.world_size(group), torch.distributed.get_rank(group)
+        cp.check(comm, fmt, mask_type, query, key, value, size, bias is not None, window_size)
+        if mask_type == "arbitrary" or mask_type.endswith("bottom_right"):
+            # no CP backend takes them: bottom-right masks utils.py:768-773, :795-800; an
+            # arbitrary mask unfused only (:843-853), which refuses CP (:756-760)
+            raise ValueError(f"attn_mask_type {mask_type!r} is not supported with context "
+                             "parallelism")
+        if fmt not in ("sbhd", "bshd", "thd"):
+            raise ValueError(f"qkv_format {fmt!r} not supported")
+        seq_dim = 1 if fmt == "bshd" else 0
+        local = query.shape[seq_dim]
+        if fmt == "thd":
+            padded = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+            whole = _Tokens.packed(local * size, cu_seqlens, padded)
+        else:
+            padded, whole = None, _Tokens.plain(torch.arange(local * size))
+        mine = cp.local_indices(fmt, local, size, rank, padded)
+        every = torch.cat([cp.local_indices(fmt, local, size, r, padded) for r in range(size)])
+        k, v = (cp.gather_sequence(t, seq_dim, group) for t in (key, value))
+        if fmt == "thd":
+            out = self._attend(query.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                               _take(whole, mine), _take(whole, every), mask_type, None, None)
+            return out.squeeze(0).reshape(local, -1)
+        to_bshd = (lambda t: t.transpose(0, 1)) if fmt == "sbhd" else (lambda t: t)
+        out = to_bshd(self._attend(to_bshd(query), to_bshd(k), to_bshd(v), _take(whole, mine),
+                                   _take(whole, every), mask_type, None, None))
         return out.reshape(*out.shape[:2], -1)
 
     def _attend(self, q, k, v, q_tokens: _Tokens, k_tokens: _Tokens, mask_type: str,
