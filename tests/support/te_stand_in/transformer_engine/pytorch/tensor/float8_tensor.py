@@ -11,7 +11,8 @@ the same in common/util/vectorized_pointwise.h:186-224):
                OType ``__nv_fp8_e4m3`` / ``__nv_fp8_e5m2``, common/common.h:430-431), whose
                float constructor rounds to nearest-even and saturates to the largest finite
                value (CUDA's cuda_fp8.hpp, ``__NV_SATFINITE``); torch's CPU conversion rounds
-               alike but does not saturate (E4M3 overflows to NaN), so the stand-in clamps first
+               alike and saturates E4M3, but takes E5M2 beyond its range to infinity, so the
+               stand-in clamps first
     scale_inv  ``1 / scale`` (:228-229 ``reciprocal``)
 
 Delayed scaling (:class:`Float8Quantizer`, float8_tensor.py:37-109) casts with the scale its
