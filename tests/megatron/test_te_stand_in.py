@@ -37,9 +37,19 @@ def test_modules_compute_what_torch_computes():
 
 
 @pytest.fixture(scope="module")
-def delayed():
-    [result] = _one(workers.delayed_wgrad_checks)
+def delayed_and_fp8():
+    [result] = _one(fp8_workers.delayed_and_fp8_checks)
     return result
+
+
+@pytest.fixture(scope="module")
+def delayed(delayed_and_fp8):
+    return delayed_and_fp8["delayed"]
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel():
+    return _one(fp8_workers.tensor_parallel_and_fp8_checks, world=2)
 
 
 def test_delayed_weight_gradients_equal_the_undelayed_ones(delayed):
@@ -61,12 +71,12 @@ def test_a_bias_outside_tes_gemm_needs_the_plugins_w(delayed):
     assert outcome["plugin"] <= TOL, outcome
 
 
-def test_tensor_parallel_linears_on_two_ranks():
+def test_tensor_parallel_linears_on_two_ranks(tensor_parallel):
     """TP 2: column- and row-parallel Linear with and without sequence parallel, and a
     column-parallel LayerNormLinear with sequence parallel, give each rank its part of the
     unsharded output, input gradient and weight gradient (TE's all-gather / reduce-scatter /
     all-reduce placement)."""
-    for rank, result in enumerate(_one(workers.tensor_parallel_checks, world=2)):
+    for rank, result in enumerate(r["plain"] for r in tensor_parallel):
         for case, worst in result.items():
             assert worst <= TOL, (rank, case, worst)
 
@@ -80,9 +90,8 @@ E4M3, 2^-3 for E5M2, ~1e-2 here and more)."""
 
 
 @pytest.fixture(scope="module")
-def fp8():
-    [result] = _one(fp8_workers.fp8_checks)
-    return result
+def fp8(delayed_and_fp8):
+    return delayed_and_fp8["fp8"]
 
 
 def test_fp8_casts_are_torchs_float8_conversion_saturated(fp8):
@@ -166,10 +175,10 @@ def test_evaluation_amaxes_update_a_module_before_its_own_forward(fp8):
     assert pending["unchanged_before"] and abs(pending["chunk1_scale_from_evaluation"]) <= 1e-7
 
 
-def test_fp8_tensor_parallel_linears_on_two_ranks():
+def test_fp8_tensor_parallel_linears_on_two_ranks(tensor_parallel):
     """TP 2 with sequence parallel, delayed scaling: the FP8 input (column) and output gradient
     (row) are gathered as FP8 bytes, the amaxes reduced over the group, and each rank's output,
     input gradient and weight gradient shard are the unsharded FP8 module's."""
-    for rank, result in enumerate(_one(fp8_workers.fp8_tensor_parallel_checks, world=2)):
+    for rank, result in enumerate(r["fp8"] for r in tensor_parallel):
         for case, worst in result.items():
             assert worst <= FP8_TOL, (rank, case, worst)

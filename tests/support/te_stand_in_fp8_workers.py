@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from support import te_stand_in_workers as plain
 from support.te_stand_in_workers import _diff, _import_te
 
-__all__ = ["fp8_checks", "fp8_tensor_parallel_checks"]
+__all__ = ["fp8_checks", "fp8_tensor_parallel_checks", "delayed_and_fp8_checks",
+           "tensor_parallel_and_fp8_checks"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -34,6 +36,19 @@ def _recipe(te, **kwargs):
 
 def _state(lin, key):
     return lin.fp8_meta[key]
+
+
+def delayed_and_fp8_checks(rank, world) -> dict:
+    """support.te_stand_in_workers.delayed_wgrad_checks and :func:`fp8_checks` in one process
+    (a spawned process costs seconds of imports)."""
+    return {"delayed": plain.delayed_wgrad_checks(rank, world), "fp8": fp8_checks(rank, world)}
+
+
+def tensor_parallel_and_fp8_checks(rank, world) -> dict:
+    """support.te_stand_in_workers.tensor_parallel_checks and
+    :func:`fp8_tensor_parallel_checks` in one set of processes."""
+    return {"plain": plain.tensor_parallel_checks(rank, world),
+            "fp8": fp8_tensor_parallel_checks(rank, world)}
 
 
 def fp8_checks(rank, world) -> dict:
