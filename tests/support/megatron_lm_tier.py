@@ -58,13 +58,15 @@ class Runs:
     def __init__(self, launcher: Launcher, root: Path):
         self.launcher, self.root, self._done = launcher, root, {}
 
-    def get(self, name: str, flags: list, nproc: int = 4) -> Run:
+    def get(self, name: str, flags: list, nproc: int = 4, env=None) -> Run:
+        """The run ``name`` (launched the first time it is asked for), with ``env`` added to
+        its processes' environment."""
         if name not in self._done:
             folder = self.root / name
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             result = self.launcher.run(SCRIPT, flags, nproc, folder / "logs",
-                                       env={"VSHAPE_E2E_RECORD": str(folder)})
+                                       env={**(env or {}), "VSHAPE_E2E_RECORD": str(folder)})
             assert result.ok, f"run {name!r} failed:\n{result.failure()}"
             self._done[name] = Run(result, read_records(folder, nproc - 1), folder)
         return self._done[name]
@@ -236,14 +238,16 @@ def uneven_zb1p_runs(runs: Runs, key: str, model: list) -> tuple[Run, Run]:
 
 
 def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4,
-            save: bool = True) -> Run:
+            save: bool = True, env=None, name: str = "") -> Run:
     """``schedule`` trains ITERS iterations of ``model`` from its initial checkpoint (saving a
-    checkpoint at iteration 2 and 4 for :func:`resumed`, unless ``save`` is False)."""
+    checkpoint at iteration 2 and 4 for :func:`resumed`, unless ``save`` is False); ``env``
+    for its processes, ``name`` for a run that differs from ``{key}-{schedule}`` by them."""
     start = initial_checkpoint(runs, key, model, nproc)
-    save = ["--save", str(runs.path(f"{key}-{schedule}") / "checkpoint"), "--save-interval",
-            "2"] if save else []
-    return runs.get(f"{key}-{schedule}", TINY_GPT + model + start + schedule_flags(schedule) +
-                    save + ["--train-iters", str(ITERS), *extra], nproc)
+    name = name or f"{key}-{schedule}"
+    save = ["--save", str(runs.path(name) / "checkpoint"), "--save-interval", "2"] \
+        if save else []
+    return runs.get(name, TINY_GPT + model + start + schedule_flags(schedule) + save +
+                    ["--train-iters", str(ITERS), *extra], nproc, env=env)
 
 
 def resumed(runs: Runs, key: str, model: list, saved_by: str, schedule: str,
