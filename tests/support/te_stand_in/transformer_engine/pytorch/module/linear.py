@@ -28,6 +28,7 @@ import torch
 from .. import _comm
 from ..distributed import set_tensor_model_parallel_attributes
 from ..quantization import FP8GlobalStateManager
+from ..tensor.float8_tensor import prepare_for_saving, restore_from_saved
 from . import _gemm
 from ._common import WeightGradStore
 from .base import (TransformerEngineBaseModule, cast_if_needed, divide, get_default_init_method,
@@ -110,7 +111,9 @@ class _Linear(torch.autograd.Function):
             out = (_comm.reduce_scatter_along_first_dim if args.sequence_parallel
                    else _comm.allreduce)(out, args.tp_group)[0]
         # :379-439: what backward needs (the input before any all-gather)
-        ctx.saved = (inputmat if weight.requires_grad else None, weightmat, bias)
+        tensors, ctx.tensor_objects = prepare_for_saving(
+            inputmat if weight.requires_grad else None, weightmat, bias)
+        ctx.save_for_backward(*tensors)
         ctx.weight = weight  # the Parameter: main_grad and megatron's flags live on it
         ctx.args = args
         ctx.backward_input_needs_gather = weight.requires_grad and gather_input  # :381-383
@@ -126,8 +129,8 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        inputmat, weightmat, bias = ctx.saved
-        ctx.saved = None
+        inputmat, weightmat, bias = restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
+        ctx.tensor_objects = None
         args, weight = ctx.args, ctx.weight
         grad_output, grad_bias = _grad_output_preprocess(ctx, grad_output)
         dgrad = _dgrad(grad_output, weightmat, args) if ctx.requires_dgrad else None

@@ -35,7 +35,8 @@ from typing import Optional
 import torch
 
 __all__ = ["Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer",
-           "Float8TensorStorage", "FP8_MAX", "cast_to_fp8", "compute_scale_from_amax"]
+           "Float8TensorStorage", "FP8_MAX", "cast_to_fp8", "compute_scale_from_amax",
+           "prepare_for_saving", "restore_from_saved"]
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 """The largest finite values (common/recipe/delayed_scaling.cu:32-41 fp8_dtype_max)."""
@@ -100,6 +101,33 @@ class Float8TensorStorage:
         """The same values as a matrix over the last dimension."""
         return Float8TensorStorage(self._data.reshape(-1, self._data.shape[-1]),
                                    self._scale_inv, self.dtype)
+
+
+def prepare_for_saving(*items) -> tuple:
+    """quantized_tensor.py:124-143: tensors for ``save_for_backward`` (an FP8 tensor's values
+    and scale_inv in its place) and the FP8 tensors' descriptions (None for a plain one)."""
+    tensors, objects = [], []
+    for item in items:
+        if isinstance(item, Float8TensorStorage):
+            tensors += [item._data, item._scale_inv]
+            objects.append(item.dtype)
+        else:
+            tensors.append(item)
+            objects.append(None)
+    return tensors, objects
+
+
+def restore_from_saved(objects, saved) -> list:
+    """quantized_tensor.py:146-165: the items again, FP8 tensors rebuilt from their saved
+    values (not the live object: a weight workspace cast again later keeps this one's)."""
+    items, saved = [], list(saved)
+    for dtype in objects:
+        if dtype is None:
+            items.append(saved.pop(0))
+        else:
+            data, scale_inv = saved.pop(0), saved.pop(0)
+            items.append(Float8TensorStorage(data, scale_inv, dtype))
+    return items
 
 
 class Quantizer:
