@@ -162,7 +162,7 @@ def test_tensor_and_sequence_parallel_te_layers_train_like_1f1b(runs):
     _w_calls_backward_dw(got.log(0), "TELayerNormColumnParallelLinear", "TERowParallelLinear")
 
 
-# -- FP8 --------------------------------------------------------------------------------------------
+# -- FP8 -------------------------------------------------------------------------------------------
 def _first_microbatch_flags(run, chunks) -> None:
     """On every rank, each chunk in ``chunks`` had its forward called with is_first_microbatch
     once per forward_backward call (ITERS training steps, and each evaluation), always for

@@ -260,7 +260,8 @@ class FP8GlobalStateManager:
     @classmethod
     def get_key_in_buffer(cls, forward: bool, fp8_recipe: Recipe, fp8_group) -> str:
         """:340-350."""
-        return f"{cls.get_fwd_bwd_key(forward)}_{cls.get_unique_autocast_key(fp8_recipe, fp8_group)}"
+        autocast_key = cls.get_unique_autocast_key(fp8_recipe, fp8_group)
+        return f"{cls.get_fwd_bwd_key(forward)}_{autocast_key}"
 
     @classmethod
     def split_key_in_buffer(cls, key: str) -> tuple:

@@ -36,8 +36,8 @@ __all__ = ["LayerNormLinear"]
 
 class LayerNormLinear(TransformerEngineBaseModule):
     """layernorm_linear.py:1060-1620 (parameters_split, returning the norm's output,
-    Userbuffers and FP8 outputs not imitated). Not a Linear (as in TE: megatron tells them apart with
-    isinstance)."""
+    Userbuffers and FP8 outputs not imitated). Not a Linear (as in TE: megatron tells them
+    apart with isinstance)."""
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
