@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from . import QuantizedTensorStorage
+
 __all__ = ["Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer",
            "Float8TensorStorage", "FP8_MAX", "cast_to_fp8", "compute_scale_from_amax",
            "prepare_for_saving", "restore_from_saved"]
@@ -76,7 +78,7 @@ def compute_scale_from_amax(amax: torch.Tensor, fp8_max: float, force_pow_2_scal
     return scale
 
 
-class Float8TensorStorage:
+class Float8TensorStorage(QuantizedTensorStorage):
     """What a per-tensor FP8 cast makes (TE's Float8TensorStorage, tensor/storage/
     float8_tensor_storage.py): the FP8 values, ``scale_inv``, and the high-precision dtype it
     dequantizes to. Not a torch.Tensor (TE's storage classes are not either)."""
