@@ -41,7 +41,10 @@ every module of the rank, so on a rank with two chunks the second chunk's module
 a history entry of their own, one forward before 1f1b's single chunk folds them into its
 first forward's (TE's behaviour whenever a rank holds several chunks, megatron's interleaved
 schedule too; tests/megatron/test_te_stand_in.py shows it on two modules). Tensorwise scaling
-keeps no history, and evaluates every 2 iterations.
+keeps no history, and evaluates every 2 iterations. Measured under v-half on core_v0.16.1:
+with clipping, grad norms 3.3e-5 and validation losses 1.4e-5 apart from iteration 4; with
+evaluation every 2 iterations, losses 1.9e-5, grad norms 7.4e-4 and validation losses 4.5e-5
+apart from iteration 3 (relative); iterations before are bit-identical either way.
 """
 from __future__ import annotations
 
