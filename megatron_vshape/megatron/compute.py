@@ -151,6 +151,7 @@ class MegatronStages:
         with self._timer(), self.stores[c].collecting(microbatch):
             run_backward(output, output_grad)
             if self._te[c]:  # TE queues the weight GEMMs itself, first in first out
+                _fold_te_bias_grads(self._te[c])
                 self.stores[c].defer(functools.partial(_te_backward_dw, self._te[c]))
 
     def backward_weight(self, stage, microbatch):
@@ -225,7 +226,10 @@ def _grads_for_te_hooks(module) -> None:
 
     - a bias added outside TE's GEMM (row-parallel, or ``return_bias``: megatron's linear_proj
       and fc2 add theirs themselves) gets its gradient from autograd in B, and TE's GEMM gives
-      None for it (an empty tensor in GroupedLinear, cpp_extensions/gemm.py:247-250). When a
+      None for it (an empty tensor in GroupedLinear, cpp_extensions/gemm.py:247-250). Under
+      FP8 a bias inside the GEMM does too: TE sums its gradient from the unquantized output
+      gradient in B (module/base.py:1174-1195) and runs the weight-gradient GEMM without it
+      (linear.py:861), so backward_dw has no bias gradient either. When a
       stage runs two Bs before their Ws (zb-1p and the Vs do), the first W's hook takes the sum
       of both and the second W finds none; with --use-cpu-initialization megatron replaces
       that bias after TE built it (0.16.1 extensions/transformer_engine.py:1109) without
@@ -237,21 +241,53 @@ def _grads_for_te_hooks(module) -> None:
 
     A zero gradient there adds nothing (the hook adds zeros, or nothing for a fused weight,
     whose ``grad_added_to_main_grad`` B has set) and every W's hook still runs. Parameters whose
-    gradient backward_dw sets itself (unfused weights, biases inside the GEMM) are left alone.
+    gradient backward_dw sets itself (unfused weights, biases inside a high-precision GEMM) are
+    left alone.
     """
-    bias_in_gemm = getattr(module, "apply_bias", False) and \
-        not getattr(module, "gemm_bias_unfused_add", False)
     fused = getattr(module, "fuse_wgrad_accumulation", False)
     for name, param in module.named_parameters(recurse=False):
         if param.grad is not None:
             continue
         if name.startswith("bias"):
-            needs = getattr(module, "use_bias", False) and not bias_in_gemm
+            needs = _bias_grad_in_b(module)
         else:
             needs = name.startswith("weight") and fused and \
                 getattr(param, "skip_backward_post_hook", False)
         if needs:
             param.grad = torch.zeros_like(param)
+
+
+def _bias_grad_in_b(module) -> bool:
+    """Whether a TE module's biases get their gradients from autograd in B rather than from
+    its weight-gradient GEMM in W (:func:`_grads_for_te_hooks` says which)."""
+    bias_in_gemm = getattr(module, "apply_bias", False) and \
+        not getattr(module, "gemm_bias_unfused_add", False) and not getattr(module, "fp8", False)
+    return getattr(module, "use_bias", False) and not bias_in_gemm
+
+
+def _fold_te_bias_grads(modules) -> None:
+    """Add the bias gradients B just gave TE's delayed modules to their ``main_grad`` now, as
+    megatron's DDP hook would (megatron-core 0.16.1 distributed_data_parallel.py:437-441,
+    0.19.2 :490-494), and clear them.
+
+    Such a bias (:func:`_bias_grad_in_b`) is marked ``skip_backward_post_hook``, so DDP adds its
+    gradient only when W calls TE's hooks; when a stage runs several Bs before their Ws, autograd
+    has summed their gradients in ``.grad`` first: ``main_grad + (g1 + g2)``, where megatron's
+    1f1b adds ``(main_grad + g1) + g2``. Under FP8 that last-bit difference can flip a
+    quantized value (the bias itself is rounded to bf16 in the FP8 GEMM, TE v2.11
+    linear.py:286-291) and grow into different losses. Folded here, every microbatch's
+    gradient is added in B order as under 1f1b, and W's hook adds the zero gradient
+    :func:`_grads_for_te_hooks` gives it (and counts the bias ready for the reduction). A bias
+    without ``main_grad`` (no megatron DDP) keeps its gradient."""
+    for module in modules:
+        if not _bias_grad_in_b(module):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if name.startswith("bias") and param.grad is not None and \
+                    getattr(param, "skip_backward_post_hook", False) and \
+                    hasattr(param, "main_grad"):
+                param.main_grad.add_(param.grad.data)
+                param.grad = None
 
 
 def _check_w_follows_b(schedule: Schedule, rank: int) -> None:

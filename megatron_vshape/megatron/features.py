@@ -135,6 +135,17 @@ def _data_parallel_size(args) -> int:
     return max(1, getattr(args, "world_size", model) // model)
 
 
+_PER_TENSOR_FP8 = ("delayed", "tensorwise")
+"""The --fp8-recipe values whose TE recipes (DelayedScaling, Float8CurrentScaling) the CPU
+stand-in runs."""
+
+
+def _fp8_recipe(args) -> str:
+    """--fp8-recipe as a string (megatron's Fp8Recipe is a str enum; delayed by default)."""
+    value = getattr(args, "fp8_recipe", None) or "delayed"
+    return getattr(value, "value", value)
+
+
 def _balancing(args) -> list:
     """--moe-router-load-balancing-type as a list (one name, or one per layer group)."""
     value = getattr(args, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
@@ -172,6 +183,9 @@ FLAGS = "tests/megatron/test_megatron_lm_flags.py"
 UNEVEN_ZB1P = "test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b (e2e, 0.19)"
 MTP = "tests/megatron/test_megatron_lm_mtp.py"
 TE = "tests/megatron/test_megatron_lm_te.py"
+FP8_TESTS = (TE + " (delayed scaling under v-half and zb-1p; tensorwise under v-zb; either "
+             "chunk's first-microbatch flag withheld); tests/megatron/test_te_stand_in.py (the "
+             "stand-in's FP8)")
 
 SETTINGS = (
     # -- the shape of the pipeline ---------------------------------------------------------------
@@ -371,10 +385,52 @@ SETTINGS = (
             "context-parallel groups, run by megatron's own schedule; Megatron-LM refuses it "
             "with pipeline parallelism itself, core_v0.16.1 arguments.py:919, 0.19 :1405): "
             "drop it, or use --pipeline-schedule 1f1b"),
-    Setting("--fp8-format, --fp4-format", ("fp8", "fp4"), lambda a: _on(a, "fp8", "fp4"), X, X,
-            "is not tested with FP8 or FP4 training (--fp8-format / --fp4-format: Transformer "
-            "Engine's scaling state and cached low-precision weights under the B/W split run "
-            "on GPUs only, untested): drop it, or use --pipeline-schedule 1f1b"),
+    Setting("--fp8-format e4m3 / hybrid with --fp8-recipe delayed or tensorwise (its "
+            "--fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo; tensorwise: "
+            "--first-last-layers-bf16)", ("fp8", "fp8_recipe"),
+            lambda a: _on(a, "fp8") and _fp8_recipe(a) in _PER_TENSOR_FP8, S, S,
+            "what megatron's schedules do for Transformer Engine's FP8, for both chunks of a "
+            "V: each chunk's first forward of a step (microbatch 0) sets is_first_microbatch, "
+            "so TE casts its cached FP8 weights again after the optimizer step; every "
+            "forward is its own autocast region (amax reduction and scale update at its "
+            "exit, the backward's at the end of B); W runs TE's backward_dw on the FP8 "
+            "tensors B saved; the bias gradients TE's FP8 GEMM leaves to B are added in B "
+            "order. On a CPU stand-in of TE v2.11's per-tensor FP8 (torch's float8 types; "
+            "dense at PP 4, fp32 params, no gradient clipping), losses and validation losses "
+            "bit-identical to 1f1b; withholding the flag from either chunk trains on stale "
+            "weights and is caught. Delayed scaling with evaluation between steps differs "
+            "from 1f1b as megatron's interleaved schedule does (docs/training.md)", FP8_TESTS),
+    Setting("--fp8-recipe mxfp8 / blockwise / custom", ("fp8", "fp8_recipe"),
+            lambda a: _on(a, "fp8") and _fp8_recipe(a) not in _PER_TENSOR_FP8, X, X,
+            "is tested with FP8's per-tensor recipes only (the CPU stand-in of Transformer "
+            "Engine quantizes per tensor; MXFP8 and 1x128 / 128x128 block scaling need "
+            "Blackwell or CUDA 12.9 GPUs, and a custom recipe's quantizers are the user's: "
+            "none runs here): use --fp8-recipe delayed or tensorwise, or --pipeline-schedule "
+            "1f1b"),
+    Setting("--fp8-param-gather", ("fp8_param_gather",),
+            lambda a: _on(a, "fp8_param_gather"), X, X,
+            "is not tested with --fp8-param-gather: it builds the model with Transformer "
+            "Engine's FP8 weights (fp8_model_init: Float8Tensor parameters, which TE casts "
+            "from the distributed optimizer's main parameters after each step and gathers in "
+            "FP8), which the CPU stand-in of TE does not imitate: drop --fp8-param-gather "
+            "(FP8 compute with high-precision weights, each chunk's cast cached per step), or "
+            "use --pipeline-schedule 1f1b"),
+    Setting("--fp8-format with --moe-grouped-gemm", ("fp8", "num_experts", "moe_grouped_gemm"),
+            lambda a: _on(a, "fp8") and _moe(a) and _on(a, "moe_grouped_gemm"), X, X,
+            "is not tested with FP8 grouped-GEMM experts (the CPU stand-in runs Transformer "
+            "Engine's GroupedLinear in high precision only): drop --moe-grouped-gemm "
+            "(SequentialMLP experts of TE linears run FP8), or use --pipeline-schedule 1f1b"),
+    Setting("--fp8-format with --recompute-granularity full", ("fp8", "recompute_granularity"),
+            lambda a: _on(a, "fp8") and getattr(a, "recompute_granularity", None) == "full",
+            X, X,
+            "is not tested with FP8 and --recompute-granularity full (Transformer Engine's "
+            "checkpoint recomputes FP8 layers with the scaling state it stashed at the first "
+            "forward, TE 2.11 quantization.py:612-668, which the CPU stand-in does not "
+            "imitate): use --recompute-granularity selective, or --pipeline-schedule 1f1b"),
+    Setting("--fp4-format", ("fp4",), lambda a: _on(a, "fp4"), X, X,
+            "is not tested with FP4 training (--fp4-format: NVFP4 block scaling runs on "
+            "Blackwell GPUs only, and the CPU stand-in of Transformer Engine imitates "
+            "per-tensor FP8 only): drop it, or use --pipeline-schedule 1f1b"),
     Setting("--tp-comm-overlap", ("tp_comm_overlap",), lambda a: _on(a, "tp_comm_overlap"),
             X, X,
             "does not support --tp-comm-overlap: its W passes run Transformer Engine's delayed "

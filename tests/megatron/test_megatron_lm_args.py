@@ -110,8 +110,15 @@ PIPELINE_REFUSALS = [
     ({"overlap_dispatch_backward_with_experts_wgrad": True},
      "--overlap-dispatch-backward-with-experts-wgrad"),
     ({"defer_embedding_wgrad_compute": True}, "drop it"),
-    ({"fp8": "hybrid"}, "--fp8-format / --fp4-format"),
-    ({"fp4": "e2m1"}, "--fp8-format / --fp4-format"),
+    ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, "use --fp8-recipe delayed or tensorwise"),
+    ({"fp8": "e4m3", "fp8_recipe": "blockwise"}, "use --fp8-recipe delayed or tensorwise"),
+    ({"fp8": "hybrid", "fp8_recipe": "custom"}, "use --fp8-recipe delayed or tensorwise"),
+    ({"fp8": "hybrid", "fp8_param_gather": True}, "drop --fp8-param-gather"),
+    ({"fp8": "hybrid", "num_experts": 8, "moe_grouped_gemm": True,
+      "transformer_impl": "transformer_engine", "moe_use_legacy_grouped_gemm": False},
+     "FP8 grouped-GEMM experts"),
+    ({"fp8": "hybrid", "recompute_granularity": "full"}, "use --recompute-granularity selective"),
+    ({"fp4": "e2m1"}, "--fp4-format"),
     ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
     ({"cuda_graph_impl": "transformer_engine"}, "use --cuda-graph-impl none"),
     ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
@@ -209,6 +216,26 @@ def test_context_parallelism_is_accepted_and_named_as_a_stand_in(schedule):
     with pytest.raises(ValueError, match="with --pipeline-strict: --context-parallel-size > 1"):
         check_arguments(_args(["--pipeline-schedule", schedule, "--pipeline-strict"],
                               context_parallel_size=2))
+
+
+@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto", "zb-1p"])
+@pytest.mark.parametrize("fp8", [dict(fp8="hybrid", fp8_recipe="delayed"),
+                                 dict(fp8="e4m3", fp8_recipe="tensorwise"),
+                                 dict(fp8="hybrid", fp8_recipe="tensorwise",
+                                      first_last_layers_bf16=True,
+                                      recompute_granularity="selective")])
+def test_per_tensor_fp8_is_accepted_as_a_stand_in_setting(schedule, fp8):
+    """--fp8-format with the delayed and tensorwise recipes runs under every schedule of the
+    plugin on the CPU stand-in of TE's FP8 (tests/megatron/test_megatron_lm_te.py): accepted,
+    named at start-up, refused under --pipeline-strict."""
+    from megatron_vshape.megatron.arguments import stand_in_notice
+
+    args = _args(["--pipeline-schedule", schedule], transformer_impl="transformer_engine", **fp8)
+    check_arguments(args)
+    assert "--fp8-format e4m3 / hybrid" in stand_in_notice(args)
+    with pytest.raises(ValueError, match="with --pipeline-strict"):
+        check_arguments(_args(["--pipeline-schedule", schedule, "--pipeline-strict"],
+                              transformer_impl="transformer_engine", **fp8))
 
 
 def test_tied_embeddings_save_fully_parallel_under_data_parallel():

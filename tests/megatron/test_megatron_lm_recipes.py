@@ -140,12 +140,14 @@ LAYOUT = "--pipeline-model-parallel-layout"
 VPP_FLAGS = "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank"
 VIRTUAL = ("virtual pipelining (more than one stage per rank, or a layout of more than PP "
            "stages)")
-FP8 = "--fp8-format, --fp4-format"
+FP8_PARAMS = "--fp8-param-gather"
+FP8_GROUPED = "--fp8-format with --moe-grouped-gemm"
 TP_OVERLAP = "--tp-comm-overlap"
 FSDP = "--use-torch-fsdp2, --use-megatron-fsdp"
 MODELOPT = "nvidia-modelopt: a ModelOpt checkpoint, --export-kd-teacher-load (distillation)"
 
-STAYS_REFUSED = (FLEX, LAYOUT, VPP_FLAGS, VIRTUAL, FP8, TP_OVERLAP, FSDP, MODELOPT)
+STAYS_REFUSED = (FLEX, LAYOUT, VPP_FLAGS, VIRTUAL, FP8_PARAMS, FP8_GROUPED, TP_OVERLAP, FSDP,
+                 MODELOPT)
 """features.py's refused rows (by their ``flags``) that NVIDIA's recipes use; why each stays
 refused is the row's own ``why`` (``vshape features --refused``), printed with the counts. A
 recipe refused for any other row fails the test, and so does a row here that a recipe uses
@@ -155,14 +157,15 @@ COUNTS = {
     "0.16": {"recipes": 19, "reached": 19, "stock": 18, "1f1b": 13, "zb-1p": 7, "v-min": 7,
              "v-half": 7, "v-zb": 7, "auto": 7,
              "refused under V": {FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
-                                 FP8: 3, TP_OVERLAP: 2, FSDP: 1, MODELOPT: 1},
-             "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8: 3,
+                                 FP8_PARAMS: 3, FP8_GROUPED: 1, TP_OVERLAP: 2, FSDP: 1,
+                                 MODELOPT: 1},
+             "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8_PARAMS: 3, FP8_GROUPED: 1,
                                      TP_OVERLAP: 2, FSDP: 1, MODELOPT: 1}},
     "0.19": {"recipes": 19, "reached": 16, "stock": 15, "1f1b": 10, "zb-1p": 6, "v-min": 6,
              "v-half": 6, "v-zb": 6, "auto": 6,
              "refused under V": {FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
-                                 FP8: 2, TP_OVERLAP: 2, FSDP: 1},
-             "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8: 2,
+                                 FP8_PARAMS: 2, TP_OVERLAP: 2, FSDP: 1},
+             "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8_PARAMS: 2,
                                      TP_OVERLAP: 2, FSDP: 1}},
 }
 """Per training code: recipes in total; reached (parsed, past :data:`MODELOPT_FLAGS` and

@@ -32,6 +32,10 @@ with the installed megatron-core (core_v0.16.1 with 0.16.1, the 0.19 era with 0.
     sft-cp2pp2    --sft (packed sequences, support/sft_run.py) at CP 2 x PP 2 from te-pp4's
                   initial checkpoint, v-min (the 0.19-era training code only: core_v0.16.1's
                   get_batch cannot split packs over CP, features.py refuses it there)
+    te-fp8        dense, PP 4, FP8 (HYBRID, delayed scaling, amax history 4, "max"): its
+                  linears cast inputs, weights and output gradients to torch's float8 types on
+                  the stand-in; v-half and zb-1p; on core_v0.16.1 also tensorwise scaling (E4M3,
+                  the first and last layer in bf16) under v-zb, and the first-microbatch faults
 
 Context parallelism runs the stand-in's context-parallel attention (every CP rank's queries
 against the whole sequence's keys and values, te_stand_in/.../attention/context_parallel.py);
@@ -39,6 +43,21 @@ each CP rank's V reads its slice of every microbatch with megatron's own
 get_batch_on_this_cp_rank (batch.on_this_cp_rank), messages are a CP rank's share of the
 sequence, and losses and gradients are reduced over CP as under 1f1b (megatron's forward_step
 and finalize_model_grads).
+
+FP8 is compared bit for bit where it can be, and two settings make that possible. Without
+gradient clipping (``--clip-grad 0``): the clipping coefficient is the global gradient norm's,
+summed over other parameters per rank under a V than under 1f1b (the fp16 row of
+megatron_vshape/megatron/features.py), and FP8 turns its last-bit difference into flipped
+FP8 values. Evaluating after the last step only (``--eval-interval 4``) for delayed scaling:
+evaluation forwards record amaxes that the next training forward's autocast exit reduces for
+every module of the rank, so on a rank with two chunks the second chunk's modules take them as
+a history entry of their own, one forward before 1f1b's single chunk folds them into its
+first forward's (TE's behaviour whenever a rank holds several chunks, megatron's interleaved
+schedule too; tests/megatron/test_te_stand_in.py shows it on two modules). Tensorwise scaling
+keeps no history, and evaluates every 2 iterations. Measured under v-half on core_v0.16.1:
+with clipping, grad norms 3.3e-5 and validation losses 1.4e-5 apart from iteration 4; with
+evaluation every 2 iterations, losses 1.9e-5, grad norms 7.4e-4 and validation losses 4.5e-5
+apart from iteration 3 (relative); iterations before are bit-identical either way.
 """
 from __future__ import annotations
 
@@ -47,9 +66,10 @@ from pathlib import Path
 
 import pytest
 
+from support.megatron_lm_cpu import FIRST_MICROBATCH_LOG, WITHHOLD_FIRST_MICROBATCH
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
 from support.megatron_lm_tier import (
-    ITERS, MOE_CASES, PP4, Run, Runs, assert_same_moe_metrics, assert_same_training,
+    ITERS, MOE_CASES, PP4, REL, Run, Runs, assert_same_moe_metrics, assert_same_training,
     initial_checkpoint)
 from support.megatron_lm_tier import trained as _trained
 from support.sft_run import SFT_GPT
@@ -69,11 +89,22 @@ MODELS = {
     "te-tp2pp2-sp": TE + ["--tensor-model-parallel-size", "2",
                           "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
     "te-cp2pp2": TE + ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
+    "te-fp8": TE + PP4 + ["--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                          "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max",
+                          "--clip-grad", "0", "--eval-interval", "4"],
 }
 MODELS["te-cp2pp2-untied"] = MODELS["te-cp2pp2"] + ["--untie-embeddings-and-output-weights",
                                                     "--cp-comm-type", "a2a"]
 FROM_PP4 = ("te-pp4", MODELS["te-pp4"])
 """te-pp4's initial checkpoint: the tied CP runs start from it (the same model at PP 4)."""
+TENSORWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+              "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "1",
+              "--eval-interval", "2"]
+"""te-fp8 with tensorwise scaling (extra flags: the last value of a flag wins), from te-fp8's
+checkpoint: its FP8 state is delayed scaling's, which TE replaces at the first forward under the
+new recipe (module/base.py:1014-1025)."""
+ONLY_016 = pytest.mark.skipif(TAKES_CONFIG_CONTAINER, reason="runs with core_v0.16.1's "
+                              "training code only (the CI time of the 0.19 tier)")
 SCHEDULES = ["zb-1p", "v-min", "v-half", "v-zb", "auto"]
 
 
@@ -203,3 +234,73 @@ def test_context_parallel_packed_sequences_train_like_1f1b(runs):
     assert "--pipeline-schedule v-min does not run packed sequences (--sft) with context " \
            "parallelism on Megatron-LM core_v0.16.1" in result.log(0), result.log(0)[-2000:]
     assert "initializing torch distributed" not in result.log(0)
+
+
+# -- FP8 -------------------------------------------------------------------------------------------
+def _first_microbatch_flags(run, chunks) -> None:
+    """On every rank, each chunk in ``chunks`` had its forward called with is_first_microbatch
+    once per forward_backward call (ITERS training steps, and each evaluation), always for
+    microbatch 0, and no other chunk had it (support.megatron_lm_cpu's probe)."""
+    calls = ITERS + len(run.records.eval_losses())
+    for rank in range(4):
+        flagged = [(words[-3], words[-1]) for words in
+                   (line.split() for line in run.log(rank).splitlines()
+                    if line.startswith(FIRST_MICROBATCH_LOG))]  # "... chunk C microbatch M"
+        assert all(microbatch == "0" for _, microbatch in flagged), (rank, flagged)
+        counts = {chunk: sum(c == str(chunk) for c, _ in flagged) for chunk in (0, 1)}
+        assert counts == {c: calls if c in chunks else 0 for c in (0, 1)}, (rank, counts)
+
+
+@pytest.mark.parametrize("schedule", ["v-half", "zb-1p"])
+def test_fp8_delayed_scaling_trains_like_1f1b(runs, schedule):
+    """FP8 with delayed scaling: every chunk's microbatch 0 sets is_first_microbatch, so TE
+    casts its weights again after each optimizer step, under megatron's 1f1b as under the
+    plugin's schedules (both chunks of a V); the amax history and scales, updated at each
+    forward's autocast exit and at the end of each B, follow the same sequence; W runs
+    backward_dw on the FP8 tensors B saved, and the biases TE's FP8 GEMM leaves to B are added
+    in B order. Losses and validation losses bit for bit, grad norms to their summation order
+    (REL)."""
+    reference = trained(runs, "te-fp8", MODELS["te-fp8"], "1f1b")
+    got = trained(runs, "te-fp8", MODELS["te-fp8"], schedule)
+    assert_same_training(got, reference, f"te-fp8 {schedule}")
+    assert got.records.losses() == reference.records.losses()
+    assert got.records.eval_losses() == reference.records.eval_losses()
+    _w_calls_backward_dw(got.log(0), "TELayerNormColumnParallelLinear", "TERowParallelLinear")
+    _first_microbatch_flags(reference, chunks=(0,))
+    _first_microbatch_flags(got, chunks=(0, 1) if schedule.startswith("v-") else (0,))
+
+
+@ONLY_016
+def test_fp8_tensorwise_scaling_with_bf16_first_and_last_layers_trains_like_1f1b(runs):
+    """Tensorwise (current) scaling, E4M3 in both directions, the first and last layer in bf16
+    (megatron's per-layer autocast, by global layer number: under a V layer 8 is rank 0's
+    chunk 1): v-zb gives 1f1b's losses, grad norms and validation losses, evaluating every 2
+    iterations."""
+    model = MODELS["te-fp8"]
+    reference = _trained(runs, "te-fp8", model, "1f1b", extra=TENSORWISE, save=False,
+                         name="te-fp8-tensorwise-1f1b")
+    got = _trained(runs, "te-fp8", model, "v-zb", extra=TENSORWISE, save=False,
+                   name="te-fp8-tensorwise-v-zb")
+    assert_same_training(got, reference, "te-fp8 tensorwise v-zb")
+    assert got.records.losses() == reference.records.losses()
+    _first_microbatch_flags(got, chunks=(0, 1))
+
+
+@ONLY_016
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_fp8_weights_go_stale_without_either_chunks_first_microbatch_flag(runs, chunk):
+    """The fault the first-microbatch flag guards against, for each chunk of a V: with the
+    flag withheld from one chunk (support.megatron_lm_cpu.WITHHOLD_FIRST_MICROBATCH), that
+    chunk's TE linears keep the FP8 weights they cast at their first forward. Iteration 1 is
+    still 1f1b's; from iteration 2 on the chunk computes with the weights before the optimizer
+    step, and the losses leave 1f1b's by over 20 x the tolerance (measured 1.2e-3 and 8.5e-4
+    relative at iteration 2, chunk 0 and 1)."""
+    reference = trained(runs, "te-fp8", MODELS["te-fp8"], "1f1b")
+    got = _trained(runs, "te-fp8", MODELS["te-fp8"], "v-half", save=False,
+                   env={WITHHOLD_FIRST_MICROBATCH: str(chunk)},
+                   name=f"te-fp8-v-half-stale-chunk{chunk}")
+    _first_microbatch_flags(got, chunks=(1 - chunk,))
+    losses, want = got.records.losses(), reference.records.losses()
+    assert losses[0] == want[0], (losses, want)
+    drift = [abs(a - b) / abs(b) for a, b in zip(losses[1:], want[1:])]
+    assert min(drift) > 20 * REL, drift

@@ -25,7 +25,8 @@ import types
 import torch
 
 __all__ = ["install_megatron_lm_cpu_patches", "install_moe_cpu_patches", "configure_run",
-           "use_fused_adam", "CpuFusedAdam", "TORCH_ADAMW", "TE_STAND_IN", "TE_STAND_IN_PATH"]
+           "use_fused_adam", "CpuFusedAdam", "TORCH_ADAMW", "TE_STAND_IN", "TE_STAND_IN_PATH",
+           "install_first_microbatch_probe", "WITHHOLD_FIRST_MICROBATCH", "FIRST_MICROBATCH_LOG"]
 
 TE_STAND_IN = "VSHAPE_TE_STAND_IN"
 """Set to 1 in the environment of a process (a launch server, a torchrun) whose Megatron-LM
@@ -336,6 +337,46 @@ def _use_te_stand_in() -> bool:
     return True
 
 
+WITHHOLD_FIRST_MICROBATCH = "VSHAPE_TEST_WITHHOLD_FIRST_MICROBATCH"
+"""A fault for the FP8 tier (tests/megatron/test_megatron_lm_fp8.py): set to a chunk index
+(``vp_stage``: 0 or 1 under a V, 0 -- or unset vp_stage, read as 0 -- under megatron's
+schedules), megatron's ``forward_step`` is called with ``is_first_microbatch=False`` for that
+chunk, whatever the schedule passed. Transformer Engine then keeps the FP8 weights it cast at the
+chunk's first forward for every later step (stale after each optimizer step). Read at every
+call in the run's processes; only test support sets it."""
+FIRST_MICROBATCH_LOG = "[fp8-probe] is_first_microbatch"
+"""The line :func:`install_first_microbatch_probe` prints, in an FP8 run, for every forward
+called with ``is_first_microbatch`` set: ``... chunk C microbatch M``."""
+
+
+def install_first_microbatch_probe() -> None:
+    """Wrap megatron's ``forward_step`` (core/pipeline_parallel/schedules.py, the function
+    megatron's schedules call by its module-global name and the plugin's compute.py imports at
+    each call) to apply :data:`WITHHOLD_FIRST_MICROBATCH` and, in FP8 runs (``config.fp8``), to
+    print :data:`FIRST_MICROBATCH_LOG` for every forward that sets the flag. Idempotent."""
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.forward_step
+    if getattr(original, "vshape_first_microbatch_probe", False):
+        return
+
+    @functools.wraps(original)
+    def forward_step(*args, is_first_microbatch=False, current_microbatch=None, vp_stage=None,
+                     **kwargs):
+        chunk = vp_stage or 0
+        if os.environ.get(WITHHOLD_FIRST_MICROBATCH) == str(chunk):
+            is_first_microbatch = False
+        config = args[6] if len(args) > 6 else kwargs.get("config")
+        if is_first_microbatch and getattr(config, "fp8", None):
+            print(f"{FIRST_MICROBATCH_LOG} chunk {chunk} microbatch {current_microbatch}",
+                  flush=True)
+        return original(*args, is_first_microbatch=is_first_microbatch,
+                        current_microbatch=current_microbatch, vp_stage=vp_stage, **kwargs)
+
+    forward_step.vshape_first_microbatch_probe = True
+    schedules.forward_step = forward_step
+
+
 def install_megatron_lm_cpu_patches() -> None:
     """Apply every patch (idempotent); before Megatron-LM's training code runs."""
     if getattr(torch, "_vshape_megatron_lm_cpu", False):
@@ -355,4 +396,6 @@ def install_megatron_lm_cpu_patches() -> None:
     _patch_torch()
     _patch_megatron_lm()
     install_moe_cpu_patches()
+    if with_te:
+        install_first_microbatch_probe()
     torch._vshape_megatron_lm_cpu = True

@@ -58,15 +58,17 @@ class Runs:
     def __init__(self, launcher: Launcher, root: Path):
         self.launcher, self.root, self._done = launcher, root, {}
 
-    def get(self, name: str, flags: list, nproc: int = 4, script: Path = SCRIPT) -> Run:
+    def get(self, name: str, flags: list, nproc: int = 4, script: Path = SCRIPT,
+            env=None) -> Run:
         """The run ``name`` of ``script`` (the training script, or a runner around it such as
-        support/sft_run.py) with ``flags``, launched on first use."""
+        support/sft_run.py) with ``flags`` and ``env`` added to its processes' environment,
+        launched on first use."""
         if name not in self._done:
             folder = self.root / name
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             result = self.launcher.run(script, flags, nproc, folder / "logs",
-                                       env={"VSHAPE_E2E_RECORD": str(folder)})
+                                       env={**(env or {}), "VSHAPE_E2E_RECORD": str(folder)})
             assert result.ok, f"run {name!r} failed:\n{result.failure()}"
             self._done[name] = Run(result, read_records(folder, nproc - 1), folder)
         return self._done[name]
@@ -239,16 +241,20 @@ def uneven_zb1p_runs(runs: Runs, key: str, model: list) -> tuple[Run, Run]:
 
 
 def trained(runs: Runs, key: str, model: list, schedule: str, extra=(), nproc: int = 4,
-            save: bool = True, start_from: tuple | None = None) -> Run:
+            save: bool = True, start_from: tuple | None = None, env=None,
+            name: str = "") -> Run:
     """``schedule`` trains ITERS iterations of ``model`` from its initial checkpoint (saving a
     checkpoint at iteration 2 and 4 for :func:`resumed`, unless ``save`` is False).
     ``start_from``: (key, model) of another model's initial checkpoint to start from (the
-    same weights under other parallel sizes: megatron's distributed checkpoints reshard)."""
+    same weights under other parallel sizes: megatron's distributed checkpoints reshard);
+    ``env`` for its processes, ``name`` for a run that differs from ``{key}-{schedule}`` by
+    them."""
     start = initial_checkpoint(runs, *(start_from or (key, model)), nproc)
-    save = ["--save", str(runs.path(f"{key}-{schedule}") / "checkpoint"), "--save-interval",
-            "2"] if save else []
-    return runs.get(f"{key}-{schedule}", TINY_GPT + model + start + schedule_flags(schedule) +
-                    save + ["--train-iters", str(ITERS), *extra], nproc)
+    name = name or f"{key}-{schedule}"
+    save = ["--save", str(runs.path(name) / "checkpoint"), "--save-interval", "2"] \
+        if save else []
+    return runs.get(name, TINY_GPT + model + start + schedule_flags(schedule) + save +
+                    ["--train-iters", str(ITERS), *extra], nproc, env=env)
 
 
 def resumed(runs: Runs, key: str, model: list, saved_by: str, schedule: str,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .tensor.float8_tensor import Float8TensorStorage
+
 __all__ = ["world_size", "gather_along_first_dim", "reduce_scatter_along_first_dim", "allreduce"]
 
 
@@ -19,12 +21,17 @@ def world_size(group) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
-def gather_along_first_dim(inp: torch.Tensor, group):
+def gather_along_first_dim(inp, group):
     """distributed.py:1586-1740: all-gather, concatenated along dim 0 (rank order); the input
-    itself with one rank."""
+    itself with one rank. An FP8 tensor is gathered as its FP8 bytes with this rank's
+    ``scale_inv``, TE assuming the scales equal across ranks (:910-985 ``_all_gather_fp8``,
+    :976-977)."""
     size = world_size(group)
     if size == 1:
         return inp, None
+    if isinstance(inp, Float8TensorStorage):
+        data = gather_along_first_dim(inp._data.view(torch.uint8), group)[0]  # gloo: no fp8
+        return Float8TensorStorage(data.view(inp.fp8_dtype), inp._scale_inv, inp.dtype), None
     out = torch.empty((inp.shape[0] * size, *inp.shape[1:]), dtype=inp.dtype, device=inp.device)
     torch.distributed.all_gather_into_tensor(out, inp.contiguous(), group=group)
     return out, None

@@ -13,6 +13,8 @@ import contextlib
 
 import torch
 
+from .quantization import FP8GlobalStateManager
+
 __all__ = ["set_tensor_model_parallel_attributes", "CudaRNGStatesTracker", "checkpoint",
            "activation_recompute_forward", "is_fp8_activation_recompute_enabled",
            "in_fp8_activation_recompute_phase", "get_all_rng_states"]
@@ -123,6 +125,31 @@ class CudaRNGStatesTracker:
             torch.set_rng_state(original)
 
 
+_FP8_ACTIVATION_RECOMPUTE_ENABLED = False
+"""distributed.py:65, 228-268: set while a checkpointed function runs (its first forward and
+its recomputation) inside an FP8 autocast. TE then stashes each FP8 module's scaling state at
+the first forward and recomputes with it (quantization.py:612-668); the stand-in does not
+imitate that, and its FP8 modules refuse to run while this is set (module/base.py)."""
+
+
+def is_fp8_activation_recompute_enabled() -> bool:
+    """distributed.py:266-268."""
+    return _FP8_ACTIVATION_RECOMPUTE_ENABLED
+
+
+def _marking_fp8_recompute(function):
+    """``function`` with :data:`_FP8_ACTIVATION_RECOMPUTE_ENABLED` set around it, as TE's
+    activation_recompute_forward sets it (:244-263)."""
+    def marked(*args, **kwargs):
+        global _FP8_ACTIVATION_RECOMPUTE_ENABLED
+        _FP8_ACTIVATION_RECOMPUTE_ENABLED = FP8GlobalStateManager.is_fp8_enabled()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _FP8_ACTIVATION_RECOMPUTE_ENABLED = False
+    return marked
+
+
 def _tracker_states(get_rng_state_tracker):
     if get_rng_state_tracker is None:
         return None
@@ -164,5 +191,5 @@ def checkpoint(function, *args, **kwargs):
 
     del use_reentrant  # both of TE's modes recompute the same values; torch's non-reentrant one
     return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=True,
+        _marking_fp8_recompute(function), *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=lambda: (contextlib.nullcontext(), recomputing()), **kwargs)

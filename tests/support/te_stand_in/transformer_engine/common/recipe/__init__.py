@@ -1,10 +1,11 @@
 """The recipe classes megatron builds (TE v2.11 transformer_engine/common/recipe/__init__.py).
 
-Fields and defaults as TE v2.11 declares them; the quantization they describe is not imitated
-(pytorch/quantization.py refuses FP8 execution). TE declares the recipes as pydantic dataclasses
-(:11 ``from pydantic.dataclasses import dataclass``), whose constructors ignore keyword
-arguments they do not declare (pydantic v2's default ``extra="ignore"``): megatron-core 0.16.1's
-TEDelayedScaling passes ``override_linear_precision``, ``params_dtype`` and ``device``
+Fields and defaults as TE v2.11 declares them; pytorch/quantization.py runs the two per-tensor
+recipes (DelayedScaling, Float8CurrentScaling) and refuses the others. TE declares the recipes
+as pydantic dataclasses (:11 ``from pydantic.dataclasses import dataclass``), whose
+constructors ignore keyword arguments they do not declare (pydantic v2's default
+``extra="ignore"``): megatron-core 0.16.1's TEDelayedScaling passes
+``override_linear_precision``, ``params_dtype`` and ``device``
 (extensions/transformer_engine.py:2191-2225), which TE v2.11's DelayedScaling does not declare.
 :func:`_ignoring_extra` keeps that behaviour for these plain dataclasses.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from enum import Enum
 from typing import Callable, NamedTuple, Optional
 
@@ -108,18 +110,46 @@ class DelayedScaling(Recipe):
     def __post_init__(self) -> None:
         assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."
 
+    def __repr__(self) -> str:
+        """:211-220 (FP8GlobalStateManager keys its buffers by this string)."""
+        return (f"recipe_type={self.__class__.__name__}, margin={self.margin}, "
+                f"format={str(self.fp8_format).split('.')[1]}, "
+                f"amax_history_len={self.amax_history_len}, reduce_amax={self.reduce_amax}, "
+                f"fp8_dpa={self.fp8_dpa}, fp8_mha={self.fp8_mha}")
+
+
+_POWER_2 = os.getenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "0") == "1"
+
 
 @_ignoring_extra
 class Float8CurrentScaling(Recipe):
-    """recipe/__init__.py:223-247."""
+    """recipe/__init__.py:223-261. The three QParams are class attributes, not fields (:237-239:
+    no annotation), built from the environment's default of ``use_power_2_scales``."""
 
-    use_power_2_scales: bool = False
+    use_power_2_scales: bool = _POWER_2
     fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp = QParams(power_2_scale=_POWER_2, amax_epsilon=0.0)
+    fp8_quant_fwd_weight = QParams(power_2_scale=_POWER_2, amax_epsilon=0.0)
+    fp8_quant_bwd_grad = QParams(power_2_scale=_POWER_2, amax_epsilon=0.0)
     fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
     fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."
+
+    def __repr__(self) -> str:
+        """:249-261."""
+        return (f"recipe_type={self.__class__.__name__}, "
+                f"format={str(self.fp8_format).split('.')[1]}, "
+                f"fp8_quant_fwd_inp={self.fp8_quant_fwd_inp}, "
+                f"fp8_quant_fwd_weight={self.fp8_quant_fwd_weight}, "
+                f"fp8_quant_bwd_grad={self.fp8_quant_bwd_grad}, "
+                f"fp8_gemm_fprop={self.fp8_gemm_fprop}, fp8_gemm_dgrad={self.fp8_gemm_dgrad}, "
+                f"fp8_gemm_wgrad={self.fp8_gemm_wgrad}, fp8_dpa={self.fp8_dpa}, "
+                f"fp8_mha={self.fp8_mha}")
 
 
 @_ignoring_extra

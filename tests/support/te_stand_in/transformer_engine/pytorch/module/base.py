@@ -2,26 +2,33 @@
 
 Parameters registered with their init function and RNG tracker and initialised under it
 (register_parameter :1197-1208, reset_parameters :1210-1318); the tensor-parallel group
-(:946-958); the activation dtype (:925-944); FP8 metadata from the global state (:971-1026);
-the forward preparation (:1028-1079); the checkpoint's extra state (:806-923); and the delayed
-weight gradients: ``register_wgrad_accumulation_and_reduce_hooks`` (:1463-1471) and
-``backward_dw`` (:1482-1501).
+(:946-958); the activation dtype (:925-944); FP8 metadata from the global state (:971-1026,
+set_meta_tensor :706-741); the forward preparation (:1028-1079); the checkpoint's extra state
+with the delayed-scaling state (:806-923); and the delayed weight gradients:
+``register_wgrad_accumulation_and_reduce_hooks`` (:1463-1471) and ``backward_dw``
+(:1482-1501).
 
-Where TE v2.11 would quantize (FP8) the stand-in has two hooks that return their tensor
-unchanged, so that FP8 can be added in one place: :meth:`_quantized_input` and
-:meth:`_quantized_weight`, the latter keyed as TE's weight-cast cache is (linear.py:267-277:
-``cache_name`` "weight" unless ``is_first_microbatch`` is None, refreshed when
-``is_first_microbatch`` is None or True).
+Where TE v2.11 quantizes, the linears call two hooks: :meth:`_quantized_input` (the GEMM
+input: cast with the input quantizer under FP8, linear.py:226-240) and
+:meth:`_quantized_weight` (the weight workspace, :meth:`get_weight_workspace`,
+base.py:1322-1440, called at linear.py:267-277): with ``is_first_microbatch`` None the weight is
+cast every time and not cached; True casts it again into the cached workspace; False reuses the
+workspace as it is -- cast at the last True (or at the first forward if there was none), so a
+weight the optimizer changed since is used stale. FP8 off, both return their tensor cast to the
+activation dtype (linear.py:239, 280-281).
 """
 from __future__ import annotations
 
 import contextlib
+import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from ..quantization import FP8GlobalStateManager
+from ..distributed import is_fp8_activation_recompute_enabled
+from ..quantization import FP8GlobalStateManager, RecipeState
 
 __all__ = ["TransformerEngineBaseModule", "get_default_init_method", "init_method_constant",
            "cast_if_needed", "divide"]
@@ -84,13 +91,16 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.fp8_calibration = False
         self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
         self.fp8_meta_tensors_initialized = False
+        self.quantizers = {"scaling_fwd": [], "scaling_bwd": []}
+        self._fp8_workspaces = {}
         self.tp_group = None
         self.tp_size = 1
         self.sequence_parallel = False
         self.param_init_meta = {}
         self.primary_weights_in_fp8 = FP8GlobalStateManager.with_fp8_parameters()
         if self.primary_weights_in_fp8:
-            refuse("FP8 parameters (quantized_model_init / fp8_model_init)")
+            refuse("FP8 parameters (quantized_model_init / fp8_model_init: TE's Float8Tensor "
+                   "weights)")
         self.activation_dtype = None
         self.wgrad_accumulation_and_reduce_hooks = []
         self.wgrad_store = None
@@ -141,14 +151,59 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.activation_dtype = inp.dtype
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
-        """base.py:971-1026: FP8 on or off from the global state, recorded for checkpoints."""
+        """base.py:971-1026: FP8 on or off from the global state, recorded for checkpoints; on
+        first use (or a changed recipe) the recipe states and quantizers are made."""
+        original = self.fp8_meta.get("recipe")
         self.fp8_parameters = FP8GlobalStateManager.with_fp8_parameters()
         self.fp8 = FP8GlobalStateManager.is_fp8_enabled()
         self.fp8_calibration = FP8GlobalStateManager.is_fp8_calibration()
         self.fp8_meta["fp8_checkpoint"] = self.fp8 or self.fp8_calibration
-        if self.fp8_parameters or self.fp8 or self.fp8_calibration:
-            refuse("FP8 execution or calibration")
-        self.fp8_initialized = False
+        if self.fp8_calibration:
+            refuse("FP8 calibration (autocast(calibrating=True))")
+        if not self.fp8:
+            self.fp8_initialized = False
+            return
+        if self.fp8_initialized and FP8GlobalStateManager.get_fp8_recipe() == \
+                self.fp8_meta["recipe"]:
+            return
+        self.fp8_meta["recipe"] = FP8GlobalStateManager.get_fp8_recipe()
+        self.fp8_meta["num_gemms"] = num_gemms
+        self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
+        self.fp8_meta["fp8_max_fwd"] = self.fp8_meta["recipe"].fp8_format.value.max_fwd
+        self.fp8_meta["fp8_max_bwd"] = self.fp8_meta["recipe"].fp8_format.value.max_bwd
+        self.init_fp8_meta_tensors(self.fp8_meta["recipe"])
+        self.fp8_initialized = True
+        if original is not None and not (isinstance(self.fp8_meta["recipe"], type(original))
+                                         or isinstance(original, type(self.fp8_meta["recipe"]))):
+            warnings.warn(f"Recipe type changed from {type(original).__name__} to "
+                          f"{type(self.fp8_meta['recipe']).__name__}. This may affect model "
+                          "behavior.")  # :1014-1025
+            self._fp8_workspaces.clear()
+
+    def init_fp8_meta_tensors(self, recipe) -> None:
+        """base.py:767-772."""
+        self.set_meta_tensor(True, recipe)
+        self.set_meta_tensor(False, recipe)
+        self.fp8_meta_tensors_initialized = True
+
+    def set_meta_tensor(self, fwd: bool, recipe) -> None:
+        """base.py:706-741: a recipe state of 3 quantizers per GEMM forward (input, weight,
+        output), 2 backward (grad output, grad input), kept when one of the recipe's kind is
+        there already (delayed scaling: its history resized to the recipe's length,
+        :653-704)."""
+        key = "scaling_fwd" if fwd else "scaling_bwd"
+        state = self.fp8_meta.get(key)
+        if self.fp8_meta_tensors_initialized and state is not None and \
+                state.recipe.delayed() == recipe.delayed() and \
+                state.recipe.float8_current_scaling() == recipe.float8_current_scaling():
+            if recipe.delayed() and state.amax_history.shape[0] != recipe.amax_history_len:
+                refuse("changing the amax history length of a module (adjust_amax_history_length)")
+            return
+        per_gemm = 3 if fwd else 2
+        state = RecipeState.create(recipe, mode="forward" if fwd else "backward",
+                                   num_quantizers=self.fp8_meta["num_gemms"] * per_gemm)
+        self.fp8_meta[key] = state
+        self.quantizers[key] = state.make_quantizers()
 
     @contextlib.contextmanager
     def prepare_forward(self, inp: torch.Tensor, num_gemms: int = 1,
@@ -158,35 +213,97 @@ class TransformerEngineBaseModule(torch.nn.Module):
             assert getattr(self, "tp_group_initialized", False), "TP group not initialized."
         self.set_activation_dtype(inp)
         self.init_fp8_metadata(num_gemms=num_gemms)
+        if self.fp8 and is_fp8_activation_recompute_enabled():
+            refuse("FP8 modules under activation recomputation (TE's checkpoint in FP8: the "
+                   "scaling state stashed for the recomputation, base.py:1044-1079)")
+        if self.fp8 and self.fp8_meta["recipe"].delayed():  # :1058-1067
+            if self.sequence_parallel:
+                assert self.fp8_meta["recipe"].reduce_amax, (
+                    "Amax reduction across tensor parallel group is "
+                    "necessary when using sequence parallelism with FP8.")
+            FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(self.fp8_meta)
         if not allow_non_contiguous and not inp.is_contiguous():
             inp = inp.contiguous()
         yield inp
 
-    def _quantized_input(self, inp: torch.Tensor) -> torch.Tensor:
-        """Where TE quantizes the GEMM input (linear.py:173-241); FP8 off: the input cast to the
-        activation dtype (linear.py:205, 239)."""
-        return cast_if_needed(inp, self.activation_dtype)
+    def _quantized_input(self, inp: torch.Tensor, quantizer=None):
+        """The GEMM input (linear.py:226-240): cast by ``quantizer`` under FP8, else to the
+        activation dtype."""
+        if not self.fp8:
+            return cast_if_needed(inp, self.activation_dtype)
+        if quantizer is None:
+            raise ValueError("Missing quantizer for input tensor")  # linear.py:231-232
+        return quantizer(inp)
 
     def _quantized_weight(self, weight: torch.Tensor, cache_name: str,
-                          is_first_microbatch: Optional[bool]) -> torch.Tensor:
-        """Where TE casts the weight for the GEMM (linear.py:250-281), with FP8 into a workspace
-        cached under ``cache_name`` (None when ``is_first_microbatch`` is None) and refreshed
-        when ``is_first_microbatch`` is None or True; FP8 off: the weight cast to the
-        activation dtype (linear.py:280-281)."""
-        return cast_if_needed(weight, self.activation_dtype)
+                          is_first_microbatch: Optional[bool], quantizer=None):
+        """The weight for the GEMM (linear.py:252-281): under FP8 the workspace of
+        :meth:`get_weight_workspace`, cached under ``cache_name`` unless ``is_first_microbatch``
+        is None, cast again when it is None or True; else the weight in the activation dtype."""
+        if not self.fp8:
+            return cast_if_needed(weight, self.activation_dtype)
+        return self.get_weight_workspace(
+            tensor=weight, quantizer=quantizer,
+            cache_name=None if is_first_microbatch is None else cache_name,
+            update_workspace=is_first_microbatch is None or is_first_microbatch,
+            workspace_dtype=self.activation_dtype)
+
+    def get_weight_workspace(self, *, tensor=None, quantizer=None, cache_name=None,
+                             update_workspace: bool = True, workspace_dtype=None):
+        """base.py:1322-1440: the cached workspace when there is one (else cast and, with a
+        ``cache_name``, cache it, :1408-1428), cast again into it when ``update_workspace``
+        (:1430-1440)."""
+        out = self._fp8_workspaces.get(cache_name) if cache_name is not None else None
+        if out is None:
+            if tensor is None or quantizer is None:
+                raise ValueError("tensor and quantizer kwargs must be provided to construct FP8 "
+                                 "workspace")
+            out = quantizer.quantize(tensor, dtype=workspace_dtype)
+            if cache_name is not None:
+                self._fp8_workspaces[cache_name] = out
+            return out
+        if update_workspace:
+            if tensor is None:
+                raise ValueError("tensor kwarg must be provided to update FP8 workspace")
+            quantizer.update_quantized(tensor, out)
+        return out
 
     # -- checkpoints ------------------------------------------------------------------------
     def get_extra_state(self) -> torch.Tensor:
-        """base.py:806-865: without FP8 state, an empty byte tensor (:839-841)."""
-        if self.fp8_meta["fp8_checkpoint"] or self.fp8 or self.fp8_calibration:
-            refuse("FP8 checkpoint state")
-        return torch.empty(0, dtype=torch.uint8)
+        """base.py:806-865: an empty byte tensor without FP8 (:839-841); with it the pickled
+        recipe, the delayed-scaling scales and amax histories and the plain ``fp8_meta``
+        values (:843-864)."""
+        if not (self.fp8_meta["fp8_checkpoint"] or self.fp8 or self.fp8_calibration):
+            return torch.empty(0, dtype=torch.uint8)
+        state = {"recipe": self.fp8_meta["recipe"]}
+        if state["recipe"].delayed():
+            for suffix, key in (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd")):
+                state[f"scale_{suffix}"] = self.fp8_meta[key].scale.clone()
+                state[f"amax_history_{suffix}"] = self.fp8_meta[key].amax_history.clone()
+        state["extra_fp8_variables"] = {
+            k: v for k, v in self.fp8_meta.items()
+            if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str,
+                                                                      tuple, list))}
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
-        """base.py:867-923: None or an empty tensor means no FP8 state (:871-878)."""
+        """base.py:867-923: None or an empty tensor means no FP8 state (:871-878); else the
+        recipe states are made (:905-906) and the delayed-scaling tensors copied in."""
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
             return
-        refuse("loading FP8 checkpoint state")
+        if not isinstance(state, torch.Tensor):
+            raise RuntimeError("Unsupported checkpoint format.")
+        state = pickle.loads(state.detach().cpu().numpy().tobytes())
+        if state is None:
+            return
+        self.fp8_meta.update(state["extra_fp8_variables"])
+        self.fp8_meta["recipe"] = state["recipe"]
+        self.init_fp8_meta_tensors(self.fp8_meta["recipe"])
+        if self.fp8_meta["recipe"].delayed():
+            with torch.no_grad():
+                for suffix, key in (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd")):
+                    self.fp8_meta[key].scale.copy_(state[f"scale_{suffix}"])
+                    self.fp8_meta[key].amax_history.copy_(state[f"amax_history_{suffix}"])
 
     # -- delayed weight gradients -----------------------------------------------------------
     def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:

@@ -28,7 +28,7 @@ from ..distributed import set_tensor_model_parallel_attributes
 from . import _gemm
 from ._common import WeightGradStore
 from .base import (TransformerEngineBaseModule, cast_if_needed, divide, get_default_init_method,
-                   init_method_constant)
+                   init_method_constant, refuse)
 from .linear import _set_tp
 
 __all__ = ["GroupedLinear"]
@@ -208,6 +208,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         """grouped_linear.py:752-847: ``out`` or ``(out, [bias{i}])`` with return_bias."""
         assert len(m_splits) == self.num_gemms, "Number of splits should match number of GEMMs."
         with self.prepare_forward(inp, num_gemms=self.num_gemms) as inp:
+            if self.fp8:
+                refuse("FP8 in GroupedLinear (per-expert quantizers, grouped_linear.py:96-190)")
             weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
             biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
             args = {"module": self, "m_splits": list(m_splits), "use_bias": self.apply_bias,

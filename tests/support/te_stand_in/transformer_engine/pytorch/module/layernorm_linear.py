@@ -10,6 +10,10 @@ communication and the same backward split:
     backward  dgrad GEMM and its column-parallel reduction (:760-770), then the norm's
               backward with its weight gradients, in B (:968-992); the linear's wgrad is put
               into the WeightGradStore with delay_wgrad_compute (:914)
+    FP8       the norm's output is the GEMM input, cast by the input quantizer; TE casts it in
+              the norm kernel (:209-234 ``with_quantized_norm``) from the norm's fp32 result,
+              the same values with fp32 activations (with bf16 ones the stand-in casts the
+              bf16-rounded output)
 
 Parameters: ``layer_norm_weight`` (and ``layer_norm_bias`` unless RMSNorm), marked
 ``sequence_parallel`` (:1440-1444); ``weight``, ``bias`` as Linear's (:1445-1460).
@@ -25,15 +29,15 @@ from .base import (TransformerEngineBaseModule, cast_if_needed, divide, init_met
                    refuse)
 from .layernorm import apply_normalization
 from .linear import (_Linear, _args, _register_weight_and_bias, _set_linear_parallel_attributes,
-                     _set_tp, _skip_backward_post_hooks)
+                     _set_tp, _skip_backward_post_hooks, customize_current_scaling_quantizers)
 
 __all__ = ["LayerNormLinear"]
 
 
 class LayerNormLinear(TransformerEngineBaseModule):
     """layernorm_linear.py:1060-1620 (parameters_split, returning the norm's output,
-    Userbuffers and FP8 not imitated). Not a Linear (as in TE: megatron tells them apart with
-    isinstance)."""
+    Userbuffers and FP8 outputs not imitated). Not a Linear (as in TE: megatron tells them
+    apart with isinstance)."""
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
@@ -107,16 +111,25 @@ class LayerNormLinear(TransformerEngineBaseModule):
             self.layer_norm_bias.sequence_parallel = self.sequence_parallel
         _set_linear_parallel_attributes(self)
 
+    def set_meta_tensor(self, fwd: bool, recipe) -> None:
+        """layernorm_linear.py:1408-1418: the recipe state, then the current-scaling
+        quantizers customized."""
+        super().set_meta_tensor(fwd, recipe)
+        customize_current_scaling_quantizers(self, fwd, recipe)
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False):
         """layernorm_linear.py:1500-1610."""
+        if fp8_output or fp8_grad:
+            refuse("LayerNormLinear(fp8_output / fp8_grad): FP8 outputs and input gradients")
+        is_grad_enabled = torch.is_grad_enabled()
         with self.prepare_forward(inp) as inp:
             ln_out = apply_normalization(inp, self.layer_norm_weight, self.layer_norm_bias,
                                          self.eps, self.zero_centered_gamma, self.normalization)
             bias = self.bias
             out = _Linear.apply(self.weight, ln_out,
                                 bias if self.apply_bias and not self.gemm_bias_unfused_add
-                                else None, _args(self, is_first_microbatch))
+                                else None, _args(self, is_first_microbatch, is_grad_enabled))
         if self.gemm_bias_unfused_add:
             out = out + cast_if_needed(bias, self.activation_dtype)
         if self.return_bias:
