@@ -167,7 +167,8 @@ def build_stack(model: ModelConfig, seq_length: int, layers: int, dtype: torch.d
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     from ..runtime.wgrad import WeightGradStore
-    from ..megatron.wgrad import defer_weight_grads, te_wgrad_modules, with_te_delay_wgrad
+    from ..megatron.te_wgrad import te_wgrad_modules, with_te_delay_wgrad
+    from ..megatron.wgrad import defer_weight_grads
 
     config = _config(model, layers, dtype, device, kv_channels)
     spec = specs.get_gpt_layer_with_transformer_engine_spec() if te else \

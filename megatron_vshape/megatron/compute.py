@@ -27,7 +27,8 @@ import torch
 
 from ..runtime.backward import run_backward
 from ..runtime.wgrad import WeightGradStore
-from .wgrad import store_of, te_wgrad_modules
+from .te_wgrad import fold_te_bias_grads, te_backward_dw, te_wgrad_modules
+from .wgrad import store_of
 from ..schedule.model.actions import PassKind
 from ..schedule.model.schedule import Schedule
 
@@ -151,8 +152,8 @@ class MegatronStages:
         with self._timer(), self.stores[c].collecting(microbatch):
             run_backward(output, output_grad)
             if self._te[c]:  # TE queues the weight GEMMs itself, first in first out
-                _fold_te_bias_grads(self._te[c])
-                self.stores[c].defer(functools.partial(_te_backward_dw, self._te[c]))
+                fold_te_bias_grads(self._te[c])
+                self.stores[c].defer(functools.partial(te_backward_dw, self._te[c]))
 
     def backward_weight(self, stage, microbatch):
         c = self._chunk_of[stage]
@@ -189,12 +190,6 @@ def _last_pass_per_chunk(schedule: Schedule, rank: int, chunk_of: dict, kinds) -
     return last
 
 
-def _te_backward_dw(modules) -> None:
-    for module in modules:
-        _grads_for_te_hooks(module)
-        module.backward_dw()
-
-
 def _check_forwards_in_order(schedule: Schedule, rank: int) -> None:
     """Every stage's F passes come in microbatch order on this rank: its chunk's data
     iterator hands out microbatches in order (each F calls next() on it), and megatron's
@@ -210,84 +205,6 @@ def _check_forwards_in_order(schedule: Schedule, rank: int) -> None:
                                  "megatron's data iterators and first-microbatch flag need "
                                  "each stage's forwards in microbatch order")
             done[action.stage] = action.microbatch
-
-
-def _grads_for_te_hooks(module) -> None:
-    """Give a zero ``.grad`` to the parameters of a TE module that its ``backward_dw`` or the
-    hooks it calls would read without one.
-
-    TE's backward_dw (TE v2.11 module/base.py:1490-1501, grouped_linear.py:857-872) sets
-    ``bias.grad`` from the GEMM's bias gradient where the bias has none, then calls the hooks
-    megatron's DDP registered for the parameters TE marked ``skip_backward_post_hook``
-    (linear.py:1305-1309): they add ``.grad`` to ``main_grad`` and clear it, asserting that
-    it is there under --overlap-grad-reduce (megatron-core 0.16.1
-    distributed_data_parallel.py:427-446; 0.19.2 alike). Two kinds of parameter come to a W
-    without a gradient:
-
-    - a bias added outside TE's GEMM (row-parallel, or ``return_bias``: megatron's linear_proj
-      and fc2 add theirs themselves) gets its gradient from autograd in B, and TE's GEMM gives
-      None for it (an empty tensor in GroupedLinear, cpp_extensions/gemm.py:247-250). Under
-      FP8 a bias inside the GEMM does too: TE sums its gradient from the unquantized output
-      gradient in B (module/base.py:1174-1195) and runs the weight-gradient GEMM without it
-      (linear.py:861), so backward_dw has no bias gradient either. When a
-      stage runs two Bs before their Ws (zb-1p and the Vs do), the first W's hook takes the sum
-      of both and the second W finds none; with --use-cpu-initialization megatron replaces
-      that bias after TE built it (0.16.1 extensions/transformer_engine.py:1109) without
-      TE's mark, DDP's own hook takes its gradient in B, and every W finds none. TE then casts
-      the None: AttributeError (or a shape error for the empty tensor).
-    - with fuse_wgrad_accumulation a weight's gradient goes into ``main_grad`` and ``.grad``
-      holds B's dummy (linear.py:945-957), which the first W's hook clears: the second W's
-      hook asserts under --overlap-grad-reduce.
-
-    A zero gradient there adds nothing (the hook adds zeros, or nothing for a fused weight,
-    whose ``grad_added_to_main_grad`` B has set) and every W's hook still runs. Parameters whose
-    gradient backward_dw sets itself (unfused weights, biases inside a high-precision GEMM) are
-    left alone.
-    """
-    fused = getattr(module, "fuse_wgrad_accumulation", False)
-    for name, param in module.named_parameters(recurse=False):
-        if param.grad is not None:
-            continue
-        if name.startswith("bias"):
-            needs = _bias_grad_in_b(module)
-        else:
-            needs = name.startswith("weight") and fused and \
-                getattr(param, "skip_backward_post_hook", False)
-        if needs:
-            param.grad = torch.zeros_like(param)
-
-
-def _bias_grad_in_b(module) -> bool:
-    """Whether a TE module's biases get their gradients from autograd in B rather than from
-    its weight-gradient GEMM in W (:func:`_grads_for_te_hooks` says which)."""
-    bias_in_gemm = getattr(module, "apply_bias", False) and \
-        not getattr(module, "gemm_bias_unfused_add", False) and not getattr(module, "fp8", False)
-    return getattr(module, "use_bias", False) and not bias_in_gemm
-
-
-def _fold_te_bias_grads(modules) -> None:
-    """Add the bias gradients B just gave TE's delayed modules to their ``main_grad`` now, as
-    megatron's DDP hook would (megatron-core 0.16.1 distributed_data_parallel.py:437-441,
-    0.19.2 :490-494), and clear them.
-
-    Such a bias (:func:`_bias_grad_in_b`) is marked ``skip_backward_post_hook``, so DDP adds its
-    gradient only when W calls TE's hooks; when a stage runs several Bs before their Ws, autograd
-    has summed their gradients in ``.grad`` first: ``main_grad + (g1 + g2)``, where megatron's
-    1f1b adds ``(main_grad + g1) + g2``. Under FP8 that last-bit difference can flip a
-    quantized value (the bias itself is rounded to bf16 in the FP8 GEMM, TE v2.11
-    linear.py:286-291) and grow into different losses. Folded here, every microbatch's
-    gradient is added in B order as under 1f1b, and W's hook adds the zero gradient
-    :func:`_grads_for_te_hooks` gives it (and counts the bias ready for the reduction). A bias
-    without ``main_grad`` (no megatron DDP) keeps its gradient."""
-    for module in modules:
-        if not _bias_grad_in_b(module):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            if name.startswith("bias") and param.grad is not None and \
-                    getattr(param, "skip_backward_post_hook", False) and \
-                    hasattr(param, "main_grad"):
-                param.main_grad.add_(param.grad.data)
-                param.grad = None
 
 
 def _check_w_follows_b(schedule: Schedule, rank: int) -> None:

@@ -34,7 +34,7 @@ from .compute import MegatronStages
 from .model import sum_tied_embedding_grads
 from .mtp import relay_mtp_metrics
 from .replan import Replanner
-from .wgrad import te_wgrad_modules
+from .te_wgrad import te_wgrad_modules
 
 __all__ = ["VShapeForwardBackward", "message_spec"]
 

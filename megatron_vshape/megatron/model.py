@@ -47,7 +47,8 @@ import torch
 
 from ..runtime.wgrad import WeightGradStore
 from .layers import patch_layer_placement, stage_layers, with_stage_layers
-from .wgrad import defer_weight_grads, with_te_delay_wgrad
+from .te_wgrad import with_te_delay_wgrad
+from .wgrad import defer_weight_grads
 
 __all__ = ["MirroredGroup", "v_embedding_ranks", "build_v_chunks", "build_v_chunk",
            "v_chunk_config", "finish_v_chunks", "tie_embeddings", "save_copy_as_replica",

@@ -68,7 +68,8 @@ def deferred_standard_provider(base: Callable, config_factory: Callable | None =
     delay_wgrad_compute on a copy of its config, and W calls their ``backward_dw``).
     ``config_factory()`` gives the TransformerConfig when get_model passes none."""
     from ..runtime.wgrad import WeightGradStore
-    from .wgrad import defer_weight_grads, with_te_delay_wgrad
+    from .te_wgrad import with_te_delay_wgrad
+    from .wgrad import defer_weight_grads
 
     def provider(*args, **kwargs):
         if te_delay_wgrad:
@@ -85,7 +86,7 @@ def check_weight_grads_split(chunk, schedule: str) -> None:
     """Refuse a model chunk whose W passes would do nothing (no layer splits its weight
     gradient off B: the schedule would run with 1F1B's bubble, silently), and warn about
     weights whose gradients stay in B (layer types neither split covers)."""
-    from .wgrad import te_wgrad_modules
+    from .te_wgrad import te_wgrad_modules
 
     te = te_wgrad_modules(chunk)
     split = sum(bool(getattr(p, "skip_backward_post_hook", False)) for p in chunk.parameters())

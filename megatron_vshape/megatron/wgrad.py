@@ -19,17 +19,13 @@ each module for ``register_wgrad_accumulation_and_reduce_hooks`` for weights mar
 from __future__ import annotations
 
 import functools
-import logging
-from collections import Counter
 
 import torch
 
 from ..runtime.wgrad import WeightGradStore, accumulate_grad
+from .te_wgrad import mark_te_delayed_parameters
 
-log = logging.getLogger(__name__)
-
-__all__ = ["patch_linear", "unpatch_linear", "defer_weight_grads", "store_of", "te_wgrad_modules",
-           "with_te_delay_wgrad", "mark_te_delayed_parameters"]
+__all__ = ["patch_linear", "unpatch_linear", "defer_weight_grads", "store_of"]
 
 _STORE = "vshape_wgrad_store"
 _HOOKS = "vshape_wgrad_hooks"
@@ -182,43 +178,6 @@ def defer_weight_grads(chunk: torch.nn.Module, store: WeightGradStore,
     return count
 
 
-def mark_te_delayed_parameters(chunk: torch.nn.Module) -> int:
-    """Mark ``skip_backward_post_hook`` on every weight and bias of the chunk's TE linears
-    built with delay_wgrad_compute, as TE marks them when it builds them (TE v2.11
-    linear.py:1305-1309, layernorm_linear.py:1403-1406, grouped_linear.py:707-711): DDP then
-    registers their gradient hooks through the module, and ``backward_dw`` calls them in W.
-
-    With --use-cpu-initialization megatron replaces the bias of its column- and row-parallel
-    TE linears by a new Parameter after TE built them (megatron-core 0.16.1
-    extensions/transformer_engine.py:869, 1008, 1109; 0.19.2 :1307, :1466, :1723), which has no
-    mark: DDP would hook it on autograd's accumulator, which a bias computed inside TE's
-    delayed GEMM never reaches (its gradient arrives in W), and its gradient would never get
-    to ``main_grad``. Returns how many parameters were marked (call before DDP wraps the
-    chunk)."""
-    count = 0
-    modules = te_wgrad_modules(chunk)
-    for module in modules:
-        for name in _te_parameter_names(module):
-            param = getattr(module, name, None)
-            if isinstance(param, torch.nn.Parameter):
-                param.skip_backward_post_hook = True
-                count += 1
-    if modules:
-        log.info("[vshape] W passes call Transformer Engine's backward_dw of %s",
-                 ", ".join(f"{name} x{n}" for name, n in
-                           sorted(Counter(type(m).__name__ for m in modules).items())))
-    return count
-
-
-def _te_parameter_names(module) -> list:
-    """A TE linear's weight and bias names (``weight``/``bias``; GroupedLinear's
-    ``weight{i}``/``bias{i}``)."""
-    if hasattr(module, "num_gemms"):
-        return [f"{kind}{i}" for kind in ("weight", "bias") for i in range(module.num_gemms)]
-    return list(getattr(module, "weight_names", ["weight"])) + \
-        list(getattr(module, "bias_names", ["bias"]))
-
-
 def store_of(chunk: torch.nn.Module) -> WeightGradStore:
     """The store :func:`defer_weight_grads` gave ``chunk`` (a fresh, unused one if none)."""
     for param in chunk.parameters():
@@ -226,33 +185,3 @@ def store_of(chunk: torch.nn.Module) -> WeightGradStore:
         if store is not None:
             return store
     return WeightGradStore()
-
-
-_TE_WRAPPERS = "megatron.core.extensions.transformer_engine"
-
-
-def te_wgrad_modules(chunk: torch.nn.Module) -> list:
-    """The chunk's Transformer Engine linears built with delay_wgrad_compute (GPU): B skips
-    their weight GEMMs and W calls their ``backward_dw``. Leaf wrappers only, since attention
-    and MLP forward ``backward_dw`` to the same linears."""
-    return [m for m in chunk.modules()
-            if type(m).__module__ == _TE_WRAPPERS and hasattr(m, "backward_dw")
-            and getattr(getattr(m, "config", None), "delay_wgrad_compute", False)]
-
-
-def with_te_delay_wgrad(config):
-    """A copy of ``config`` with delay_wgrad_compute on, for dense models.
-
-    TransformerConfig.__post_init__ accepts delay_wgrad_compute only together with MoE
-    overlap_moe_expert_parallel_comm; the TE wrappers read the field when they are built, so
-    setting it on a copy after validation enables TE's split for dense layers too. A shallow
-    copy (not ``dataclasses.replace``, which keeps only the dataclass fields): a V chunk's
-    config carries the V's stage layers as an attribute (layers.with_stage_layers), and
-    without it a TE model's chunk 1 got megatron's loop placement of --moe-layer-freq's dense
-    and MoE layers (another model than 1f1b's).
-    """
-    import copy
-
-    delayed = copy.copy(config)
-    delayed.delay_wgrad_compute = True
-    return delayed

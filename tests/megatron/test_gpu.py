@@ -88,7 +88,7 @@ def test_transformer_engine_backward_dw_runs_in_w():
     from megatron.core.extensions.transformer_engine import TELinear
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_vshape.megatron.wgrad import te_wgrad_modules, with_te_delay_wgrad
+    from megatron_vshape.megatron.te_wgrad import te_wgrad_modules, with_te_delay_wgrad
     from megatron_vshape.runtime import WeightGradStore
 
     _single_rank_megatron()

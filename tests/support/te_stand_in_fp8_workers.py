@@ -259,7 +259,7 @@ def _backward_dw_fp8(te) -> dict:
     saved); the bias gradient comes in B (TE's FP8 GEMM runs without the bias, linear.py:861),
     and backward_dw has none to give: TE's own second backward_dw fails as without FP8 for a
     bias outside the GEMM, the plugin's W passes."""
-    from megatron_vshape.megatron.compute import _te_backward_dw
+    from megatron_vshape.megatron.te_wgrad import te_backward_dw
     from support.te_stand_in_workers import _ddp_like_hooks
 
     out = {}
@@ -288,7 +288,7 @@ def _backward_dw_fp8(te) -> dict:
             y.backward(g)
         try:
             for _ in inputs:  # W, W
-                _te_backward_dw([delayed]) if plugin else delayed.backward_dw()
+                te_backward_dw([delayed]) if plugin else delayed.backward_dw()
         except AttributeError as err:
             out["plugin" if plugin else "te"] = f"AttributeError: {err}"
             continue

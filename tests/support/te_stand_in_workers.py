@@ -277,8 +277,8 @@ def _fused_main_grad(te) -> float:
 def _unfused_bias_under_ddp_hooks(te) -> dict:
     """A return_bias Linear (megatron's linear_proj, fc2) under DDP-like hooks: B, B, W, W
     fails at the second W in TE's backward_dw (base.py:1494-1497, the None bias gradient),
-    and passes with the plugin's W (compute._te_backward_dw), with the right sums."""
-    from megatron_vshape.megatron.compute import _te_backward_dw
+    and passes with the plugin's W (te_wgrad.te_backward_dw), with the right sums."""
+    from megatron_vshape.megatron.te_wgrad import te_backward_dw
 
     out = {}
     for plugin in (False, True):
@@ -292,7 +292,7 @@ def _unfused_bias_under_ddp_hooks(te) -> dict:
             (y + b).square().sum().backward()
         try:
             for _ in xs:
-                _te_backward_dw([lin]) if plugin else lin.backward_dw()
+                te_backward_dw([lin]) if plugin else lin.backward_dw()
         except AttributeError as err:
             out["plugin" if plugin else "te"] = f"AttributeError: {err}"
             continue
