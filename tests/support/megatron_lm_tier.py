@@ -108,37 +108,38 @@ def assert_same_training(run: Run, reference: Run, label: str, first: int = 1) -
     return report
 
 
+def _assert_same_logged(run: Run, reference: Run, label: str, first: int, kind: str,
+                        series: str) -> tuple[list, dict]:
+    """Each metric the reference logged of ``kind`` (Records.moe / .mtp), read by its
+    ``series`` method (Records.moe_metrics / .mtp_losses): logged for iterations
+    ``first``..ITERS and equal to the reference's (REL). The names and the report."""
+    got, want = run.records.since(first), reference.records.since(first)
+    logged = getattr(want, kind)
+    names = sorted(logged[0]["loss"]) if logged else []
+    report = {"case": label}
+    for name in names:
+        mine, theirs = getattr(got, series)(name), getattr(want, series)(name)
+        assert [i for i, _ in mine] == list(range(first, ITERS + 1)), \
+            f"{label}: {name} logged for iterations {[i for i, _ in mine]}"
+        report[name] = max(_rel(a, b) for (_, a), (_, b) in zip(mine, theirs))
+    print(report)
+    assert all(report[name] <= REL for name in names), report
+    return names, report
+
+
 def assert_same_moe_metrics(run: Run, reference: Run, label: str, first: int = 1) -> dict:
     """The MoE metrics Megatron-LM logs (load_balancing_loss, z_loss: PP-reduced sums over
     layers and microbatches) of iterations ``first``..ITERS equal the reference's (REL)."""
-    got, want = run.records.since(first), reference.records.since(first)
-    names = sorted(want.moe[0]["loss"]) if want.moe else []
+    names, report = _assert_same_logged(run, reference, label, first, "moe", "moe_metrics")
     assert "load_balancing_loss" in names, f"{label}: the reference logged no MoE metrics"
-    report = {"case": label}
-    for name in names:
-        assert [i for i, _ in got.moe_metrics(name)] == list(range(first, ITERS + 1)), \
-            f"{label}: {name} logged for iterations {[i for i, _ in got.moe_metrics(name)]}"
-        report[name] = max(_rel(a, b) for (_, a), (_, b) in
-                           zip(got.moe_metrics(name), want.moe_metrics(name)))
-    print(report)
-    assert all(report[name] <= REL for name in names), report
     return report
 
 
 def assert_same_mtp_losses(run: Run, reference: Run, label: str, first: int = 1) -> dict:
     """The MTP losses Megatron-LM logs ("mtp_1 loss", ...: averaged over data parallel ranks,
     scaled by 1 / microbatches) of iterations ``first``..ITERS equal the reference's (REL)."""
-    got, want = run.records.since(first), reference.records.since(first)
-    names = sorted(want.mtp[0]["loss"]) if want.mtp else []
+    names, report = _assert_same_logged(run, reference, label, first, "mtp", "mtp_losses")
     assert names, f"{label}: the reference logged no MTP loss"
-    report = {"case": label}
-    for name in names:
-        assert [i for i, _ in got.mtp_losses(name)] == list(range(first, ITERS + 1)), \
-            f"{label}: {name} logged for iterations {[i for i, _ in got.mtp_losses(name)]}"
-        report[name] = max(_rel(a, b) for (_, a), (_, b) in
-                           zip(got.mtp_losses(name), want.mtp_losses(name)))
-    print(report)
-    assert all(report[name] <= REL for name in names), report
     return report
 
 
