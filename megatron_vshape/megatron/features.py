@@ -99,6 +99,7 @@ def _on(args, *names) -> bool:
 
 
 def _cp(args) -> int:
+    """--context-parallel-size (1 where a namespace lacks it)."""
     return getattr(args, "context_parallel_size", 1) or 1
 
 
@@ -130,8 +131,7 @@ def _te(args) -> bool:
 def _data_parallel_size(args) -> int:
     """Data-parallel size from the world and model-parallel sizes (the checks run before
     Megatron-LM's validate_args computes args.data_parallel_size)."""
-    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
-        getattr(args, "context_parallel_size", 1)
+    model = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * _cp(args)
     return max(1, getattr(args, "world_size", model) // model)
 
 
