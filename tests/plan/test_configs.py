@@ -22,7 +22,8 @@ def elsewhere(tmp_path, monkeypatch):
 
 def test_every_kind_has_its_bundled_files():
     assert config_names("models") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b",
-                                      "moe-64e-top6", "moe-8x7b", "small", "tiny")
+                                      "llama-3-70b", "llama-3-8b", "moe-64e-top6", "moe-8x7b",
+                                      "qwen2.5-72b", "qwen2.5-7b", "small", "tiny")
     assert config_names("grid") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b")
     gpu = tuple(f"cuda-{m}-s{s}" for m in ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b")
                 for s in (1024, 3072))
@@ -98,3 +99,21 @@ def test_an_unknown_name_lists_the_bundled_ones(argv, kind, elsewhere, capsys):
 def test_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="valid choices: models, grid, profiles"):
         find_config("model", "tiny")
+
+
+@pytest.mark.parametrize("name, layers, hidden, ffn, heads, groups, vocab, billions", [
+    ("llama-3-8b", 32, 4096, 14336, 32, 8, 128256, 8.03),
+    ("llama-3-70b", 80, 8192, 28672, 64, 8, 128256, 70.55),
+    ("qwen2.5-7b", 28, 3584, 18944, 28, 4, 152064, 7.61),
+    ("qwen2.5-72b", 80, 8192, 29568, 64, 8, 152064, 72.7),
+])
+def test_modern_models_have_their_published_shapes(name, layers, hidden, ffn, heads, groups,
+                                                   vocab, billions):
+    """The shapes of their config.json files (cited in each YAML); the parameter count within
+    1% of the published size but for the learned positions the planner adds (seq x hidden)."""
+    model = load_model_config(name)
+    assert (model.num_layers, model.hidden_size, model.ffn, model.num_attention_heads,
+            model.query_groups, model.vocab_size) == (layers, hidden, ffn, heads, groups, vocab)
+    assert model.swiglu and model.untie_embeddings_and_output_weights
+    positions = model.seq_length * model.hidden_size
+    assert (model.parameters() - positions) / 1e9 == pytest.approx(billions, rel=0.01)
