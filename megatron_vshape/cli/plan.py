@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..configs import config_names
-from ..plan.candidates import SearchSpace
+from ..plan.candidates import STAGE_LAYOUTS, SearchSpace
 from ..plan.explain import format_explanation
 from ..plan.launch_flags import row_flags, shared_flags
 from ..plan.model import load_model_config
@@ -67,6 +67,10 @@ def register(sub) -> None:
                    metavar="KIND", help="activation recomputation to plan: none, selective "
                    "(attention core; rows NAME+sel, only without flash attention), full (rows "
                    "1f1b-r, megatron's schedules only); default all")
+    p.add_argument("--stage-layouts", choices=STAGE_LAYOUTS, default="best",
+                   help="layers per pipeline stage: best (default: per schedule, the layout of "
+                        "whole layers it runs fastest, printed as --pipeline-model-parallel-"
+                        "layout) or even (the plugin's default)")
     _add_training(p)
     _add_cluster(p)
     p.add_argument("--top", type=int, default=15, metavar="K", help="table rows (default 15)")
@@ -155,7 +159,7 @@ def _configs(args):
                         pipeline_parallel=tuple(args.pp) if args.pp else None,
                         expert_parallel=tuple(args.ep) if args.ep else None,
                         auto_candidates=args.auto_candidates,
-                        recompute=tuple(args.recompute))
+                        recompute=tuple(args.recompute), stage_layouts=args.stage_layouts)
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     if args.flags < 0:

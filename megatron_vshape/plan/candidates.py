@@ -18,7 +18,11 @@ from .recompute import RECOMPUTE
 from .settings import ClusterConfig, TrainingConfig
 
 __all__ = ["SearchSpace", "GridPoint", "tensor_parallel_choices", "pipeline_parallel_choices",
-           "expert_parallel_choices", "grid_points", "NO_PIPELINE"]
+           "expert_parallel_choices", "grid_points", "NO_PIPELINE", "STAGE_LAYOUTS"]
+
+STAGE_LAYOUTS = ("best", "even")
+"""How layers are laid over the stages: ``best`` chooses per schedule (plan/layout_search.py),
+``even`` keeps the plugin's default (plan/shares.py ``even_stages``)."""
 
 NO_PIPELINE = "none"
 """The schedule name of PP = 1 rows: gradient accumulation over the microbatches, no pipeline."""
@@ -53,6 +57,11 @@ class SearchSpace:
     plan/recompute.py)."""
     expert_parallel: tuple[int, ...] | None = None
     """EP sizes for MoE models (``--ep``); None: every valid one (1 for dense models)."""
+    stage_layouts: str = "even"
+    """``best``: each pipelined row runs the layout of whole layers per stage its schedule
+    runs fastest (plan/layout_search.py; ``vshape plan``'s default, ``--stage-layouts``);
+    ``even``: the plugin's default layout, what the paper's grid (``vshape paper``,
+    ``vshape grid``) launches and so predicts."""
 
     def __post_init__(self) -> None:
         bad = [r for r in self.recompute if r not in RECOMPUTE]
@@ -70,6 +79,9 @@ class SearchSpace:
         object.__setattr__(self, "tensor_parallel", _ints(self.tensor_parallel, "--tp"))
         object.__setattr__(self, "pipeline_parallel", _ints(self.pipeline_parallel, "--pp"))
         object.__setattr__(self, "expert_parallel", _ints(self.expert_parallel, "--ep"))
+        if self.stage_layouts not in STAGE_LAYOUTS:
+            raise ValueError(f"--stage-layouts must be one of {', '.join(STAGE_LAYOUTS)}, "
+                             f"got {self.stage_layouts!r}")
         if not isinstance(self.auto_candidates, int) or self.auto_candidates < 0:
             raise ValueError(f"--auto-candidates must be an integer >= 0, got "
                              f"{self.auto_candidates!r}")

@@ -35,14 +35,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..schedule.model.costs import Costs
+from ..schedule.model.placement import Placement
 from .model import ModelConfig
 from .layer_kernels import part_kernels
 from .settings import ClusterConfig, TrainingConfig
-from .shares import ChunkShare
+from .shares import ChunkShare, StageShares
 
 __all__ = ["PassTimes", "PartTimes", "analytic_times", "with_recompute", "attention_share",
            "replay_share", "layer_flops", "head_flops", "p2p_seconds", "dp_seconds", "rank_costs",
-           "model_flops_per_sample"]
+           "model_flops_per_sample", "stage_times", "stage_costs"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,8 @@ def dp_seconds(training: TrainingConfig, cluster: ClusterConfig, parameters: flo
 
 
 def _chunk_time(share: ChunkShare, times: PartTimes) -> PassTimes:
+    """One stage's passes: its layers', plus the embedding's and the head's where it holds
+    them (the head's logits GEMMs and cross entropy over the vocabulary, :mod:`.layer_kernels`)."""
     parts = [(share.layers, times.layer), (share.embedding, times.embedding),
              (share.head, times.head)]
     return PassTimes(*(sum(n * getattr(t, k) for n, t in parts)
@@ -210,3 +213,23 @@ def rank_costs(shares: Sequence[Sequence[ChunkShare]], times: PartTimes, comm: f
                        [sum(t.forward for t in r) for r in per_rank],
                        [sum(t.backward for t in r) for r in per_rank],
                        [sum(t.weight for t in r) for r in per_rank], comm=comm)
+
+
+def stage_times(stages: StageShares, times: PartTimes) -> tuple[PassTimes, ...]:
+    """Per global stage (a layout, :mod:`.shares`), the F, B and W of one microbatch through
+    it: what makes rank 0 of a V, holding the embedding and the LM head, the slow one."""
+    return tuple(_chunk_time(share, times) for share in stages)
+
+
+_FLOOR = 1e-9
+"""Seconds given a pass that does no work (the W of a stage holding only the embedding or
+the LM head, whose weight gradients are not deferred): the simulator takes positive times."""
+
+
+def stage_costs(placement: Placement, stages: StageShares, times: PartTimes,
+                comm: float) -> Costs:
+    """Simulator costs per global stage (one pass of that stage, not a rank's share)."""
+    per_stage = stage_times(stages, times)
+    return Costs.for_stages(placement,
+                            *[[max(getattr(t, kind), _FLOOR) for t in per_stage]
+                              for kind in ("forward", "backward", "weight")], comm=comm)

@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from ..schedule import Costs, MemoryModel, ScheduleError, build_schedule, simulate
 from ..schedule.model.placement import Layout as StageLayout, Placement
 from ..schedule.search import InfeasibleMemoryError, memory_limit_units, search
-from .candidates import NO_PIPELINE, GridPoint
-from .cost import (PartTimes, analytic_times, dp_seconds, model_flops_per_sample, p2p_seconds,
-                   rank_costs, replay_share, with_recompute)
+from .candidates import NO_PIPELINE, STAGE_LAYOUTS, GridPoint
+from .cost import (PartTimes, PassTimes, analytic_times, dp_seconds, model_flops_per_sample,
+                   p2p_seconds, rank_costs, replay_share, stage_times, with_recompute)
+from .layout_search import best_layout
 from .memory import (ChunkBytes, activation_sizes, chunk_bytes, peak_activation_bytes,
                      static_memory)
 from .model import ModelConfig
 from .profile_file import MeasuredProfile
 from .settings import GIB, ClusterConfig, ParallelLayout, TrainingConfig
-from .shares import rank_shares, whole_model_share
+from .shares import (even_stages, rank_shares, shares_by_rank, stages_from_counts,
+                     whole_model_share)
 
 __all__ = ["Prediction", "Evaluator", "RankMemory"]
 
@@ -71,6 +74,9 @@ class Prediction:
     """Model FLOPs (3 x forward, no recomputation) per second per GPU."""
     costs: str = ""
     description: str = ""
+    stage_layers: tuple[int, ...] = ()
+    """Transformer layers per global stage (the layout, :mod:`.layout_search`), stage 0
+    first; the embedding is on the first, the LM head and loss on the last."""
 
     @property
     def peak_bytes(self) -> float:
@@ -98,13 +104,17 @@ class Evaluator:
     """Evaluates configurations of one model on one cluster, reusing schedules and simulations."""
 
     def __init__(self, model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
-                 profile: MeasuredProfile | None = None):
+                 profile: MeasuredProfile | None = None, stage_layouts: str = "even"):
         if profile is not None and profile.seq_length != training.seq_length:
             raise ValueError(f"--profile {profile.path!r} was measured at seq_length "
                              f"{profile.seq_length}, the plan is for --seq-length "
                              f"{training.seq_length}; measure at that length or change "
                              "--seq-length")
+        if stage_layouts not in STAGE_LAYOUTS:
+            raise ValueError(f"--stage-layouts must be one of {', '.join(STAGE_LAYOUTS)}, got "
+                             f"{stage_layouts!r}")
         self.model, self.training, self.cluster, self.profile = model, training, cluster, profile
+        self.stage_layouts = stage_layouts
         self._schedules: dict = {}
         self._simulations: dict = {}
         self._analytic_times: dict = {}
@@ -146,16 +156,19 @@ class Evaluator:
                 self._schedules[key] = err
         return self._schedules[key]
 
-    def _simulate(self, name: str, schedule, costs: Costs) -> tuple[float, float]:
-        """(makespan, bubble rate), simulated once per cost ratio."""
-        scale = max(costs.forward)
-        rel = Costs.build(len(costs.forward),
-                          *[[max(round(x / scale, 4), 1e-4) for x in xs]
-                            for xs in (costs.forward, costs.backward, costs.weight)],
-                          comm=round(costs.comm / scale, 4))
-        key = (name, schedule.ranks, schedule.microbatches, rel)
+    def simulate_stages(self, name: str, schedule, passes: tuple[PassTimes, ...],
+                  comm: float) -> tuple[float, float]:
+        """(makespan, bubble rate) of ``schedule`` with ``passes[s]`` the F, B, W of one
+        microbatch through global stage s (:func:`.cost.stage_times`), simulated once per
+        cost ratio."""
+        scale = max(t.forward for t in passes)
+        rel = tuple(tuple(max(round(getattr(t, k) / scale, 4), 1e-4)
+                          for k in ("forward", "backward", "weight")) for t in passes)
+        comm = round(comm / scale, 4)
+        key = (name, schedule.ranks, schedule.microbatches, rel, comm)
         if key not in self._simulations:
-            result = simulate(schedule, rel)
+            costs = Costs.for_stages(schedule.placement, *zip(*rel), comm=comm)
+            result = simulate(schedule, costs)
             self._simulations[key] = (result.makespan, result.bubble_rate)
         makespan, bubble = self._simulations[key]
         return makespan * scale, bubble
@@ -190,20 +203,55 @@ class Evaluator:
         if isinstance(probe, ScheduleError):
             return Prediction(layout, point.microbatches, False, str(probe), "schedule")
         try:
-            shares = rank_shares(self.model, probe.placement)
+            even = even_stages(self.model, probe.placement)
         except ValueError as err:
             return Prediction(layout, point.microbatches, False, str(err), "layers")
-        ranks = self.rank_memory(point, shares, single=False, recompute=recompute)
+        ranks = self.rank_memory(point, shares_by_rank(even, probe.placement), single=False,
+                                 recompute=recompute)
         peaks = peak_activation_bytes(probe, ranks.chunks)
-        if max(s.total + a for s, a in zip(ranks.static, peaks)) > self.cluster.budget_bytes:
+        if max(s.total + a for s, a in zip(ranks.static, peaks)) > self.cluster.budget_bytes \
+                and self.stage_layouts == "even":
             return self._memory_failure(point, layout, ranks, peaks,
                                         "parameters, optimizer state and activations")
         schedule = self.schedule(name, point.pp, point.microbatches)
         if isinstance(schedule, ScheduleError):
             return Prediction(layout, point.microbatches, False, str(schedule), "schedule")
+        times = self.times(point.tp, point.micro_batch_size, recompute, point.ep)
+        hop = self.hop(point)
+        stages = self.choose_stages(point, name, recompute, probe, schedule, even, times, hop)
+        if stages is None:  # no layout fits: report the even one's memory
+            return self._memory_failure(point, layout, ranks, peaks,
+                                        "parameters, optimizer state and activations")
+        ranks = self.rank_memory(point, shares_by_rank(stages, schedule.placement),
+                                 single=False, recompute=recompute)
         peaks = peak_activation_bytes(schedule, ranks.chunks)
+        passes = stage_times(stages, times)
         return self._finish(point, layout, ranks, peaks, schedule.description,
-                            lambda costs: self._simulate(name, schedule, costs))
+                            lambda: self.simulate_stages(name, schedule, passes, hop), times, hop,
+                            tuple(s.layers for s in stages))
+
+    def choose_stages(self, point: GridPoint, name: str, recompute: str, probe, schedule,
+                      even, times: PartTimes, hop: float):
+        """The layout (:mod:`.layout_search`) whose simulated makespan is least among those
+        whose memory fits on the probe schedule (the even one alone under ``stage_layouts``
+        ``even``); None when none fits."""
+        placement = schedule.placement
+
+        def score(counts) -> float:
+            stages = stages_from_counts(counts)
+            ranks = self.rank_memory(point, shares_by_rank(stages, placement), single=False,
+                                     recompute=recompute)
+            peaks = peak_activation_bytes(probe, ranks.chunks)
+            if max(s.total + a for s, a in zip(ranks.static, peaks)) > \
+                    self.cluster.budget_bytes:
+                return math.inf
+            return self.simulate_stages(name, schedule, stage_times(stages, times), hop)[0]
+
+        counts = tuple(s.layers for s in even)
+        if self.stage_layouts == "even":
+            return even
+        choice = best_layout(placement, self.model.num_layers, times, counts, score)
+        return None if math.isinf(choice.score) else stages_from_counts(choice.counts)
 
     def evaluate_auto(self, point: GridPoint) -> Prediction:
         """``auto``: the fastest V schedule under the memory the tightest rank has left."""
@@ -214,8 +262,8 @@ class Evaluator:
         except ValueError as err:
             return Prediction(layout, point.microbatches, False, str(err), "layers")
         ranks = self.rank_memory(point, shares, single=False)
-        costs = rank_costs(shares, self.times(point.tp, point.micro_batch_size, ep=point.ep),
-                           self.hop(point))
+        times, hop = self.times(point.tp, point.micro_batch_size, ep=point.ep), self.hop(point)
+        costs = rank_costs(shares, times, hop)
         free = [self.cluster.budget_bytes - s.total for s in ranks.static]
         if min(free) <= 0:
             return self._memory_failure(point, layout, ranks, (0.0,) * point.pp,
@@ -242,7 +290,8 @@ class Evaluator:
         schedule = found.schedule
         result = found.result
         return self._finish(point, layout, ranks, peaks, schedule.description,
-                            lambda _: (result.makespan, result.bubble_rate))
+                            lambda: (result.makespan, result.bubble_rate), times, hop,
+                            tuple(c.layers for c in even_stages(self.model, schedule.placement)))
 
     def activation_bytes(self, point: GridPoint, schedule, workspace: bool = True,
                          recompute: str = "none") -> tuple[float, ...]:
@@ -264,12 +313,16 @@ class Evaluator:
         ws = chunk.workspace
         peaks = (chunk.forward + max(ws.forward, chunk.transient + ws.backward),)
 
-        def run(costs: Costs) -> tuple[float, float]:
+        times = self.times(point.tp, point.micro_batch_size, layout.recompute, point.ep)
+        costs = rank_costs(shares, times, 0.0)
+
+        def run() -> tuple[float, float]:
             per = costs.forward[0] + costs.backward[0] + costs.weight[0]
             return point.microbatches * per, 0.0
 
         return self._finish(point, layout, ranks, peaks,
-                            "no pipeline: gradient accumulation over the microbatches", run)
+                            "no pipeline: gradient accumulation over the microbatches", run,
+                            times, 0.0, (self.model.num_layers,))
 
     def _memory_failure(self, point, layout, ranks: RankMemory, peaks, what: str) -> Prediction:
         totals = [s.total + a for s, a in zip(ranks.static, peaks)]
@@ -283,15 +336,14 @@ class Evaluator:
                           s.weights, s.gradients, s.optimizer, tuple(peaks))
 
     def _finish(self, point: GridPoint, layout: ParallelLayout, ranks: RankMemory, peaks,
-                description: str, run: Callable[[Costs], tuple[float, float]]) -> Prediction:
+                description: str, run: Callable[[], tuple[float, float]], times: PartTimes,
+                hop: float, stage_layers: tuple[int, ...]) -> Prediction:
         totals = [s.total + a for s, a in zip(ranks.static, peaks)]
         if max(totals) > self.cluster.budget_bytes:
             return self._memory_failure(point, layout, ranks, peaks,
                                         "parameters, optimizer state and activations")
         r = max(range(len(totals)), key=totals.__getitem__)
-        times = self.times(point.tp, point.micro_batch_size, layout.recompute, point.ep)
-        hop = self.hop(point)
-        makespan, bubble = run(rank_costs(ranks.shares, times, hop))
+        makespan, bubble = run()
         fullest = max(ranks.static, key=lambda s: s.parameters)
         # dense parameters reduce over DP, routed experts over DP x TP / EP ranks
         exposed = dp_seconds(self.training, self.cluster,
@@ -308,4 +360,4 @@ class Evaluator:
             s.optimizer, tuple(peaks), iteration, bubble, exposed, hop,
             tokens / iteration / self.cluster.gpus,
             flops * self.training.global_batch / iteration / self.cluster.gpus / 1e12,
-            times.source, description)
+            times.source, description, stage_layers)

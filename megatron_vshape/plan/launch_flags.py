@@ -5,11 +5,16 @@ The flags are Megatron-LM's ``pretrain_gpt.py`` ones plus the plugin's ``--pipel
 two: what every row shares (the model's shape, the global batch, precision and the memory-saving
 features the plan assumed) and what a row chose (TP, PP, micro batch, schedule, recomputation).
 Data parallelism is not a flag: Megatron-LM derives it from the GPUs it is launched on.
+
+A row whose layout (its layers per global stage, plan/layout_search.py) is not the plugin's
+even default gets ``--pipeline-model-parallel-layout`` (plan/layout_flag.py), which also gives
+megatron the virtual stages of interleaved 1F1B (megatron refuses both flags together).
 """
 from __future__ import annotations
 
-from ..schedule.model.placement import Layout
+from ..schedule.model.placement import Layout, stage_layer_counts
 from .candidates import NO_PIPELINE
+from .layout_flag import layout_flag
 from .evaluate import Prediction
 from .planner import PlanResult
 from .settings import GIB
@@ -57,7 +62,12 @@ def row_flags(row: Prediction, result: PlanResult) -> list[str]:
                   "1", "--moe-token-dispatcher-type", "alltoall"]
     if lay.schedule != NO_PIPELINE:
         flags += ["--pipeline-schedule", lay.schedule]
-    if lay.schedule == "interleaved-1f1b":
+    stages = row.stage_layers
+    uneven = lay.pp > 1 and stages and tuple(stages) != stage_layer_counts(
+        result.model.num_layers, len(stages))
+    if uneven:
+        flags += ["--pipeline-model-parallel-layout", layout_flag(stages)]
+    elif lay.schedule == "interleaved-1f1b":
         flags += ["--num-virtual-stages-per-pipeline-rank", str(Layout.LOOP.chunks)]
     if lay.schedule == "auto":
         limit = -(-row.activation_bytes * 10 // GIB) / 10

@@ -119,7 +119,7 @@ def plan(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
          ) -> PlanResult:
     """Predict every configuration of ``space``; feasible ones ranked fastest first."""
     started = time.perf_counter()
-    evaluator = Evaluator(model, training, cluster, profile)
+    evaluator = Evaluator(model, training, cluster, profile, space.stage_layouts)
     points, skipped = grid_points(model, training, cluster, space)
     rows: list[Prediction] = []
     for point in points:

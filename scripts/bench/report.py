@@ -464,8 +464,60 @@ RUNS: tuple[Run, ...] = (
         ": 0.35 at hidden 4096, seq 2048 is where the H100 costs above come from, and the share "
         f"B frees is where the memory model `{B_FREES}` comes from.",
         _render_bw_split, recorded=True),
+    Run("stage_layouts", "stage_layouts.py", (),
+        "Layouts of whole layers per stage for today's models",
+        "`vshape plan`'s choice of layers per pipeline stage (plan/layout_search.py) against the "
+        "plugin's even layout, per bundled modern model (Llama-3-8B/70B, Qwen2.5-7B/72B: "
+        "vocabularies of 128k-152k) and PP 4, 8, 16 on PP x TP H100s (DP 1; TP the smallest "
+        "at which a V fits 80 GiB), seq 8192, micro batch 1, global batch 64, shape cost model, "
+        "bf16, flash attention. *busiest*: the least busiest-rank work any whole-layer layout "
+        "allows (a true lower bound); *whole-layer*: that plus the schedule's bubble when "
+        "balanced; *balanced*: all work over p plus that bubble, what vocabulary parallelism "
+        "could reach (plan/bounds.py). The chosen layout is megatron's "
+        "`--pipeline-model-parallel-layout` (for a V the 2p stages in V order).",
+        _render_stage_layouts, key=("model", "pp", "schedule"),
+        deterministic=("tp", "even_s", "best_s", "layout", "busiest_s", "whole_layer_s",
+                       "balanced_s", "feasible"),
+        cheap=lambda r: r["model"] == "llama-3-8b" and r["pp"] == 8
+        and r["schedule"] in ("1f1b", "v-zb"),
+        remeasure=_by_rerun(lambda r: ["--models", r["model"], "--pp", str(r["pp"])])),
 )
 _BY_NAME = {run.name: run for run in RUNS}
+
+
+def _render_stage_layouts(rows: list[dict]) -> list[str]:
+    """Per model and PP: each schedule's even and chosen layout, and the bounds."""
+    out = []
+    for model, pp in _points(rows, "model", "pp"):
+        group = [r for r in rows if r["model"] == model and r["pp"] == pp]
+        tp = group[0]["tp"]
+        out += ["", f"**{model}, PP {pp}, TP {tp}** ({group[0]['microbatches']} microbatches, "
+                    f"seq {group[0]['seq_length']})", ""]
+        table = []
+        for r in group:
+            if not r["feasible"]:
+                table.append([r["schedule"], "-", "-", "-", "-", "-", "-", "-",
+                              r["reason"][:70]])
+                continue
+            gain = f"x{r['even_s'] / r['best_s']:.3f}" if r.get("even_s") else "even does not fit"
+            table.append([r["schedule"], _num(r.get("even_tflops"), 0), _num(r["best_tflops"], 0),
+                          gain, _seconds(r["best_s"]), _seconds(r["busiest_s"]),
+                          _seconds(r["whole_layer_s"]), _seconds(r["balanced_s"]),
+                          f"`{r['layout']}`"])
+        out += _table(["schedule", "even TFLOP/s", "best TFLOP/s", "best vs even", "best s",
+                       "busiest s", "whole-layer s", "balanced s", "chosen layout"], table)
+        fits = [r for r in group if r["feasible"]]
+        v = min((r for r in fits if r["schedule"].startswith("v-")), key=lambda r: r["best_s"],
+                default=None)
+        megatron = min((r for r in fits if "1f1b" in r["schedule"]), key=lambda r: r["best_s"],
+                       default=None)
+        if v and megatron:
+            out += ["", f"Best V ({v['schedule']}) vs best 1F1B ({megatron['schedule']}), each "
+                        f"at its best layout: x{megatron['best_s'] / v['best_s']:.3f}; the V "
+                        f"is {100 * (v['best_s'] / v['whole_layer_s'] - 1):+.1f}% from its "
+                        f"whole-layer bound, {100 * (v['best_s'] / v['busiest_s'] - 1):+.1f}% "
+                        f"from busiest."]
+    return out
 
 
 # --- stored results -----------------------------------------------------------------------------
