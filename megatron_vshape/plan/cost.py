@@ -5,8 +5,9 @@ times, each from its shape on the GPU (:mod:`.layer_kernels`, :mod:`.kernels`, d
 The one-MFU model (``"mfu"``) counts FLOPs instead, one microbatch of b samples, s tokens, on
 one TP rank of t::
 
-    F_layer = [2sb h (h + kv) + 2sb h^2 + 2sb h f' + 2sb f h + 4 b s^2 h] / t   FLOPs
+    F_layer = [2sb h (q + kv) + 2sb q h + 2sb h f' + 2sb f h + 4 b s^2 q] / t   FLOPs
             = (24 b s h^2 + 4 b s^2 h) / t for f = 4h, no GQA (f' = 2f with SwiGLU)
+                                          (q = heads x head width: h unless kv_channels)
     B_layer = linear FLOPs + 2 x attention-core FLOPs    (input gradients; the core has no weights)
     W_layer = linear FLOPs                               (weight gradients), so B + W = 2F
     F_head  = 2 sb h V / t,  B_head = 2 F_head,  W_head = 0  (the LM head's W is not deferred)
@@ -77,15 +78,15 @@ def layer_flops(model: ModelConfig, seq_length: int, micro_batch_size: int) -> t
     """(linear, attention-core) forward FLOPs of one layer, one microbatch, no TP. A MoE layer
     counts what a token runs: the router, its k experts and the shared experts."""
     s, b, h, f = seq_length, micro_batch_size, model.hidden_size, model.ffn
-    kv = 2 * model.query_groups * model.head_dim
+    q, kv = model.query_width, 2 * model.query_groups * model.head_dim
     wide = 2 if model.swiglu else 1
     if model.moe:
         fe, fs = model.expert_ffn, model.shared_ffn
         mlp = model.num_experts + model.moe_router_topk * (wide * fe + fe) + wide * fs + fs
     else:
         mlp = wide * f + f
-    linear = 2 * s * b * h * ((h + kv) + h + mlp)
-    return linear, 4 * b * s * s * h
+    linear = 2 * s * b * h * ((q + kv) + q + mlp)
+    return linear, 4 * b * s * s * q
 
 
 def head_flops(model: ModelConfig, seq_length: int, micro_batch_size: int) -> float:

@@ -66,6 +66,7 @@ class _Shape:
     sp_tokens: int       # rows the elementwise work sees (s b / t under sequence parallel)
     hidden: int
     qkv: int             # QKV output features on this rank
+    query: int           # query features on this rank: the projection's input
     fc1: int             # FC1 output features on this rank (2 f / t with SwiGLU)
     ffn: int             # f / t
     heads: int           # attention heads on this rank x micro batch (batched products)
@@ -103,7 +104,9 @@ def _shape(model: ModelConfig, training: TrainingConfig, tp: int, micro_batch: i
     experts = _Experts(model.num_experts, model.num_experts // ep,
                        sp_tokens * model.moe_router_topk, wide * model.expert_ffn,
                        model.expert_ffn, ep) if model.moe else None
-    return _Shape(tokens, sp_tokens, h, (h + 2 * model.query_groups * d) // tp, wide * ffn, ffn,
+    q = model.query_width
+    return _Shape(tokens, sp_tokens, h, (q + 2 * model.query_groups * d) // tp, q // tp,
+                  wide * ffn, ffn,
                   micro_batch * model.num_attention_heads // tp, s, d, model.vocab_size // tp,
                   training.element_bytes, not training.fp32_softmax_copy,
                   training.flash_attention, training.dropout, model.swiglu, experts)
@@ -222,10 +225,10 @@ def _attention_half(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) ->
     qkv_bias = [] if x.fused else [streaming("qkv bias add", 2 * e * t * x.qkv, gpu)]
     forward = ([streaming("layernorm", norm, gpu)] + _gathered(x, tp, cluster, gpu, "gather")
                + [gemm("QKV GEMM", t, x.qkv, h, gpu, e)] + qkv_bias + _attention(x, gpu, False)
-               + [gemm("projection GEMM", t, h, h // tp, gpu, e)]
+               + [gemm("projection GEMM", t, h, x.query, gpu, e)]
                + _gathered(x, tp, cluster, gpu, "scatter") + _residual(x, gpu, False))
     backward = (_residual(x, gpu, True) + _gathered(x, tp, cluster, gpu, "gather")
-                + [gemm("projection input gradient", t, h // tp, h, gpu, e)]
+                + [gemm("projection input gradient", t, x.query, h, gpu, e)]
                 + _attention(x, gpu, True) + [gemm("QKV input gradient", t, h, x.qkv, gpu, e)]
                 + _gathered(x, tp, cluster, gpu, "scatter")
                 + [streaming("layernorm backward", 1.5 * norm, gpu)])
@@ -233,7 +236,7 @@ def _attention_half(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) ->
     sp_gather = ("all-gather (W input)",) if x.sp_tokens < t else ()
     weight = (_tp(sp_gather, x, tp, cluster, gpu)
               + [gemm("QKV weight gradient", x.qkv, h, t, gpu, e, output_bytes=main_grad),
-                 gemm("projection weight gradient", h, h // tp, t, gpu, e,
+                 gemm("projection weight gradient", h, x.query, t, gpu, e,
                       output_bytes=main_grad)])
     return PassKernels(tuple(forward), tuple(backward), tuple(weight))
 

@@ -5,8 +5,9 @@ Transformer Models" (section 4), term by term so that GQA, SwiGLU, fp32, dropout
 attention change exactly the terms they touch. Per layer and microbatch (s tokens, b samples,
 h hidden, f MLP width, a heads, e bytes per element, TP t, sp = t with sequence parallel else 1)::
 
-    e sb (h + kv)/t   query, key, value (kv = key+value width; 2h without GQA)
-    e sb h/t          attention-projection input
+    e sb (q + kv)/t   query, key, value (kv = key+value width; 2h without GQA; q = h but
+                      where kv_channels sets the head width apart: Gemma-2)
+    e sb q/t          attention-projection input
     e sb f/t x 2      MLP: activation-function input and second linear's input (SwiGLU 3f/t)
     e sb 4h/sp        two layernorm inputs, the QKV and first MLP linear inputs
     sb 2h/sp          two dropout masks, one byte each (dropout > 0; CPU torch: e bytes)
@@ -183,12 +184,12 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     """The Korthikanti et al. terms of the module docstring, for one microbatch, under
     ``recompute`` (none, selective or full)."""
     e, s, b = training.element_bytes, training.seq_length, micro_batch_size
-    h, a = model.hidden_size, model.num_attention_heads
+    h, a, q = model.hidden_size, model.num_attention_heads, model.query_width
     kv = 2 * model.query_groups * model.head_dim
     sp = tp if training.sequence_parallel and tp > 1 else 1
     tokens = s * b
     mlp = _mlp_bytes(model, training, tokens, tp, sp)
-    split = e * tokens * ((h + kv) + h) / tp + mlp.kept
+    split = e * tokens * ((q + kv) + q) / tp + mlp.kept
     replicated = e * tokens * 4 * h / sp
     mask = training.dropout_mask_bytes if training.dropout else 0
     masks = 2 * mask * tokens * h / sp
@@ -199,8 +200,8 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
         attention = e * scores + ((mask + e) * scores if training.dropout else 0.0)
         if training.fp32_softmax_copy and e < 4:
             attention += 4 * scores
-    inputs = e * tokens * (2 * h / sp + h / tp) + mlp.w_inputs
-    output_grads = e * tokens * ((h + kv) / tp + h) + mlp.output_grads
+    inputs = e * tokens * (2 * h / sp + q / tp) + mlp.w_inputs
+    output_grads = e * tokens * ((q + kv) / tp + h) + mlp.output_grads
     ids = 2 * 8 * tokens  # int64 token and position ids
     embedding = ids + mask * tokens * h / sp
     head = 2 * e * tokens * h / sp + 4 * tokens * model.vocab_size / tp + 9 * tokens
@@ -208,7 +209,7 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     wgrad = inputs + output_grads
     # what the layer keeps after its attention core: the projection's input, the second
     # layernorm's and the first MLP linear's inputs, the MLP, both dropout masks
-    after_core = e * tokens * h / tp + 2 * e * tokens * h / sp + mlp.kept + masks
+    after_core = e * tokens * q / tp + 2 * e * tokens * h / sp + mlp.kept + masks
     attention_scratch, workspace = _layer_workspace(model, training, tokens, tp, mlp)
 
     def forward_dropping(dropped: float) -> Workspace:
@@ -222,7 +223,7 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
         # freed that half by then; a split B keeps its linear inputs and adds their output
         # gradients (and the attention projection's) for W
         freed = mlp.activation_input + e * tokens * h / sp + masks
-        after = freed + e * tokens * h / tp + mlp.w_inputs + e * tokens * h / sp
+        after = freed + e * tokens * q / tp + mlp.w_inputs + e * tokens * h / sp
         kept = mlp.output_grads + e * tokens * h
         return ActivationSizes(layer - attention, wgrad, embedding, head,
                                transient=max(0.0, attention - after),
@@ -252,12 +253,12 @@ def _layer_workspace(model: ModelConfig, training: TrainingConfig, tokens: int, 
     keeps no score-sized tensor: its backward holds the query, key and value gradients and an
     fp32 query-gradient accumulator (derived from its algorithm, not measured here)."""
     e, s = training.element_bytes, training.seq_length
-    h, a = model.hidden_size, model.num_attention_heads
+    h, a, q = model.hidden_size, model.num_attention_heads, model.query_width
     kv = 2 * model.query_groups * model.head_dim
     mlp_backward = 2 * mlp.activation_input
     if training.flash_attention:
         attention_forward = 0.0
-        attention_backward = e * tokens * (h + kv) / tp + 4 * tokens * h / tp
+        attention_backward = e * tokens * (q + kv) / tp + 4 * tokens * q / tp
     else:
         scores = a * s * tokens / tp
         copy = training.fp32_softmax_copy and e < 4
@@ -269,7 +270,7 @@ def _layer_workspace(model: ModelConfig, training: TrainingConfig, tokens: int, 
                          attention_backward - mlp.activation_input + mlp.output_grads)
     f = model.expert_ffn if model.moe else model.ffn
     wide = 2 if model.swiglu else 1
-    weight = e * max(h * (h + kv), h * wide * f, h * f) / tp  # the largest linear's
+    weight = e * max(h * (q + kv), h * wide * f, h * f) / tp  # the largest linear's
     head_forward = e * tokens * model.vocab_size / tp if e < 4 else 0.0
     return attention_forward, Workspace(0.0, backward, backward_split, weight, head_forward)
 
@@ -331,15 +332,15 @@ def peak_activation_bytes(schedule: Schedule, chunks: Sequence[Sequence[ChunkByt
 def _layer_parameters(model: ModelConfig, tp: int) -> float:
     """One layer's parameters on one TP rank but its routed experts (with them, sums to
     ``model.layer_parameters()`` at TP 1)."""
-    h, f = model.hidden_size, model.ffn
+    h, f, q = model.hidden_size, model.ffn, model.query_width
     kv = 2 * model.query_groups * model.head_dim
     if model.moe:  # router (replicated), shared experts (TP-split, no biases)
         fs = model.shared_ffn
-        attention = (h * (h + kv) + (h + kv) + h * h) / tp + h + 4 * h
+        attention = (h * (q + kv) + (q + kv) + q * h) / tp + h + 4 * h
         return attention + h * model.num_experts + (3 if model.swiglu else 2) * h * fs / tp
     mlp_in = 2 * f if model.swiglu else f
-    column = h * (h + kv) + (h + kv) + h * mlp_in + mlp_in  # QKV and first MLP linear
-    row = h * h + f * h                                      # their weights only
+    column = h * (q + kv) + (q + kv) + h * mlp_in + mlp_in  # QKV and first MLP linear
+    row = q * h + f * h                                      # their weights only
     replicated = 2 * h + 4 * h                               # row biases, two layernorms
     return (column + row) / tp + replicated
 

@@ -31,6 +31,9 @@ class ModelConfig:
     """MLP width; None: 4 x hidden_size."""
     num_query_groups: int | None = None
     """Grouped-query attention groups; None: multi-head attention (one group per head)."""
+    kv_channels: int | None = None
+    """Width of one attention head (``--kv-channels``); None: hidden_size / heads. Gemma-2
+    sets it apart: 16 heads of 256 over a hidden size of 3584, so queries are 4096 wide."""
     vocab_size: int = 51200
     """Padded vocabulary size (Megatron-LM pads the tokenizer's to a multiple of 128 x TP)."""
     seq_length: int = 2048
@@ -58,7 +61,10 @@ class ModelConfig:
             if getattr(self, field) < 1:
                 raise ValueError(f"model {self.name!r}: {field} must be >= 1, got "
                                  f"{getattr(self, field)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"model {self.name!r}: kv_channels must be >= 1, got "
+                             f"{self.kv_channels}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"model {self.name!r}: hidden_size {self.hidden_size} must be a "
                              f"multiple of num_attention_heads {self.num_attention_heads}")
         groups = self.query_groups
@@ -82,7 +88,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_width(self) -> int:
+        """Queries' (and the attention projection's input) width: heads x head width."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def moe(self) -> bool:
@@ -109,9 +120,9 @@ class ModelConfig:
         """Parameters of one transformer layer: QKV and output projections, the MLP (two
         matrices, three with SwiGLU; MoE: router, routed and shared experts), biases and two
         layernorms."""
-        h, f = self.hidden_size, self.ffn
+        h, f, q = self.hidden_size, self.ffn, self.query_width
         kv = 2 * self.query_groups * self.head_dim
-        attention = h * (h + kv) + (h + kv) + h * h + h
+        attention = h * (q + kv) + (q + kv) + q * h + h
         if self.moe:
             mlp = h * self.num_experts + (3 if self.swiglu else 2) * h * self.shared_ffn
             return attention + mlp + self.expert_parameters() + 4 * h
@@ -136,6 +147,8 @@ class ModelConfig:
                 "--num-attention-heads", str(self.num_attention_heads),
                 "--ffn-hidden-size", str(self.ffn), "--seq-length", str(seq),
                 "--max-position-embeddings", str(max(seq, self.max_position_embeddings or 0))]
+        if self.kv_channels:
+            args += ["--kv-channels", str(self.kv_channels)]
         if self.num_query_groups:
             args += ["--group-query-attention", "--num-query-groups", str(self.num_query_groups)]
         if self.untie_embeddings_and_output_weights:

@@ -467,8 +467,8 @@ RUNS: tuple[Run, ...] = (
     Run("stage_layouts", "stage_layouts.py", (),
         "Layouts of whole layers per stage for today's models",
         "`vshape plan`'s choice of layers per pipeline stage (plan/layout_search.py) against the "
-        "plugin's even layout, per bundled modern model (Llama-3-8B/70B, Qwen2.5-7B/72B: "
-        "vocabularies of 128k-152k) and PP 4, 8, 16 on PP x TP H100s (DP 1; TP the smallest "
+        "plugin's even layout, per bundled modern model (Llama-3-8B/70B, Qwen2.5-7B/72B, "
+        "Gemma-2-9B: vocabularies of 128k-256k) and PP 4, 8, 16 on PP x TP H100s (DP 1; TP the smallest "
         "at which a V fits 80 GiB), seq 8192, micro batch 1, global batch 64, shape cost model, "
         "bf16, flash attention. *busiest*: the least busiest-rank work any whole-layer layout "
         "allows (a true lower bound); *whole-layer*: that plus the schedule's bubble when "

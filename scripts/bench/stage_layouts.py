@@ -21,7 +21,7 @@ from megatron_vshape.plan.candidates import GridPoint
 from megatron_vshape.plan.evaluate import Evaluator
 from megatron_vshape.plan.layout_flag import layout_flag
 
-MODELS = ("llama-3-8b", "qwen2.5-7b", "llama-3-70b", "qwen2.5-72b")
+MODELS = ("llama-3-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3-70b", "qwen2.5-72b")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-1p", "v-min", "v-half", "v-zb")
 _V = ("v-min", "v-half", "v-zb")
 

@@ -21,8 +21,8 @@ def elsewhere(tmp_path, monkeypatch):
 
 
 def test_every_kind_has_its_bundled_files():
-    assert config_names("models") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b",
-                                      "llama-3-70b", "llama-3-8b", "moe-64e-top6", "moe-8x7b",
+    assert config_names("models") == ("gemma-2-9b", "gpt-21b", "gpt-38.5b", "gpt-9.6b",
+                                      "gpt-98.5b", "llama-3-70b", "llama-3-8b", "moe-64e-top6", "moe-8x7b",
                                       "qwen2.5-72b", "qwen2.5-7b", "small", "tiny")
     assert config_names("grid") == ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b")
     gpu = tuple(f"cuda-{m}-s{s}" for m in ("gpt-21b", "gpt-38.5b", "gpt-9.6b", "gpt-98.5b")
@@ -106,6 +106,7 @@ def test_an_unknown_kind_is_refused():
     ("llama-3-70b", 80, 8192, 28672, 64, 8, 128256, 70.55),
     ("qwen2.5-7b", 28, 3584, 18944, 28, 4, 152064, 7.61),
     ("qwen2.5-72b", 80, 8192, 29568, 64, 8, 152064, 72.7),
+    ("gemma-2-9b", 42, 3584, 14336, 16, 8, 256000, 9.24),
 ])
 def test_modern_models_have_their_published_shapes(name, layers, hidden, ffn, heads, groups,
                                                    vocab, billions):
@@ -114,6 +115,30 @@ def test_modern_models_have_their_published_shapes(name, layers, hidden, ffn, he
     model = load_model_config(name)
     assert (model.num_layers, model.hidden_size, model.ffn, model.num_attention_heads,
             model.query_groups, model.vocab_size) == (layers, hidden, ffn, heads, groups, vocab)
-    assert model.swiglu and model.untie_embeddings_and_output_weights
+    assert model.swiglu
+    assert model.untie_embeddings_and_output_weights == (name != "gemma-2-9b")  # Gemma ties
     positions = model.seq_length * model.hidden_size
     assert (model.parameters() - positions) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_a_head_width_apart_from_hidden_over_heads():
+    """kv_channels (Gemma-2: 16 heads of 256 over hidden 3584) widens the queries and the
+    projection's input; set to hidden / heads it changes nothing."""
+    from megatron_vshape.plan.cost import layer_flops
+    from megatron_vshape.plan.memory import activation_sizes
+    from megatron_vshape.plan.settings import TrainingConfig
+
+    llama = load_model_config("llama-3-8b")
+    same = llama.with_overrides(kv_channels=128)
+    training = TrainingConfig(seq_length=4096, global_batch=8)
+    assert same.layer_parameters() == llama.layer_parameters()
+    assert layer_flops(same, 4096, 1) == layer_flops(llama, 4096, 1)
+    assert activation_sizes(same, training, 2, 1) == activation_sizes(llama, training, 2, 1)
+    gemma = load_model_config("gemma-2-9b")
+    h, q, kv = 3584, 16 * 256, 2 * 8 * 256
+    assert gemma.query_width == q
+    attention = h * (q + kv) + (q + kv) + q * h + h  # QKV, its bias, projection, its bias
+    mlp = 3 * h * 14336 + 2 * 14336 + h
+    assert gemma.layer_parameters() == attention + mlp + 4 * h
+    with pytest.raises(ValueError, match="kv_channels must be >= 1"):
+        gemma.with_overrides(kv_channels=0)
