@@ -92,6 +92,10 @@ def model_help() -> str:
 def _add_training(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="bf16 mixed precision (default) or fp32")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 linear layers (Transformer Engine, --fp8-format hybrid): their GEMMs "
+                        "at twice the bf16 rate, their saved inputs and an FP8 weight copy in "
+                        "one byte per element (needs --precision bf16; docs/plan.md)")
     p.add_argument("--no-flash-attention", action="store_true",
                    help="keep the s x s attention scores (no fused attention)")
     p.add_argument("--no-sequence-parallel", action="store_true",
@@ -144,7 +148,7 @@ def _configs(args):
         raise ValueError(f"--model: {err}") from None
     training = TrainingConfig(
         seq_length=args.seq_length or model.seq_length, global_batch=args.global_batch,
-        precision=args.precision, flash_attention=not args.no_flash_attention,
+        precision=args.precision, fp8=args.fp8, flash_attention=not args.no_flash_attention,
         sequence_parallel=not args.no_sequence_parallel,
         distributed_optimizer=not args.no_distributed_optimizer, dropout=not args.no_dropout)
     cluster = ClusterConfig(

@@ -38,6 +38,8 @@ def shared_flags(result: PlanResult) -> list[str]:
     flags += ["--global-batch-size", str(training.global_batch)]
     if training.precision == "bf16":
         flags.append("--bf16")
+    if training.fp8:
+        flags += ["--fp8-format", "hybrid"]
     flags += ["--attention-backend", "flash" if training.flash_attention else "unfused"]
     if training.distributed_optimizer:
         flags.append("--use-distributed-optimizer")

@@ -22,8 +22,10 @@ kernel's fixed cost.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from . import fp8
 from .kernels import GpuSpec, Kernel, flash_attention, gemm, streaming, transfer
 from .model import ModelConfig
 from .settings import ClusterConfig, TrainingConfig
@@ -79,6 +81,7 @@ class _Shape:
     dropout: bool
     swiglu: bool
     moe: _Experts | None
+    fp8: bool = False    # the layer's linear GEMMs in FP8 (plan/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,26 @@ def _shape(model: ModelConfig, training: TrainingConfig, tp: int, micro_batch: i
                   wide * ffn, ffn,
                   micro_batch * model.num_attention_heads // tp, s, d, model.vocab_size // tp,
                   training.element_bytes, not training.fp32_softmax_copy,
-                  training.flash_attention, training.dropout, model.swiglu, experts)
+                  training.flash_attention, training.dropout, model.swiglu, experts,
+                  training.fp8)
+
+
+def _linear(name: str, x: _Shape, m: int, n: int, k: int, gpu: GpuSpec,
+            output_bytes: int | None = None) -> Kernel:
+    """A transformer layer's linear GEMM: 16-bit, or FP8 operands at the FP8 rate (plan/fp8.py)
+    with 16-bit outputs."""
+    if not x.fp8:
+        return gemm(name, m, n, k, gpu, x.e, output_bytes=output_bytes)
+    faster = dataclasses.replace(gpu, peak_tflops=gpu.peak_tflops * fp8.GEMM_SPEEDUP)
+    return gemm(name + " (FP8)", m, n, k, faster, fp8.OPERAND_BYTES,
+                output_bytes=x.e if output_bytes is None else output_bytes)
+
+
+def _casts(name: str, x: _Shape, widths: tuple[int, ...], gpu: GpuSpec) -> list[Kernel]:
+    """FP8 casts of each linear's input (F) or output gradient (B): 16-bit read, byte written."""
+    if not x.fp8:
+        return []
+    return [streaming(name, (x.e + fp8.OPERAND_BYTES) * x.tokens * sum(widths), gpu)]
 
 
 def _collective(name: str, x: _Shape, tp: int, cluster: ClusterConfig,
@@ -224,20 +246,22 @@ def _attention_half(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) ->
     norm = 2 * e * x.sp_tokens * h
     qkv_bias = [] if x.fused else [streaming("qkv bias add", 2 * e * t * x.qkv, gpu)]
     forward = ([streaming("layernorm", norm, gpu)] + _gathered(x, tp, cluster, gpu, "gather")
-               + [gemm("QKV GEMM", t, x.qkv, h, gpu, e)] + qkv_bias + _attention(x, gpu, False)
-               + [gemm("projection GEMM", t, h, x.query, gpu, e)]
+               + _casts("FP8 casts (QKV, projection inputs)", x, (h, x.query), gpu)
+               + [_linear("QKV GEMM", x, t, x.qkv, h, gpu)] + qkv_bias + _attention(x, gpu, False)
+               + [_linear("projection GEMM", x, t, h, x.query, gpu)]
                + _gathered(x, tp, cluster, gpu, "scatter") + _residual(x, gpu, False))
     backward = (_residual(x, gpu, True) + _gathered(x, tp, cluster, gpu, "gather")
-                + [gemm("projection input gradient", t, x.query, h, gpu, e)]
-                + _attention(x, gpu, True) + [gemm("QKV input gradient", t, h, x.qkv, gpu, e)]
+                + _casts("FP8 casts (QKV, projection output gradients)", x, (x.qkv, h), gpu)
+                + [_linear("projection input gradient", x, t, x.query, h, gpu)]
+                + _attention(x, gpu, True) + [_linear("QKV input gradient", x, t, h, x.qkv, gpu)]
                 + _gathered(x, tp, cluster, gpu, "scatter")
                 + [streaming("layernorm backward", 1.5 * norm, gpu)])
     main_grad = 8 if e == 2 else None  # the fp32 main gradient, read and written
     sp_gather = ("all-gather (W input)",) if x.sp_tokens < t else ()
     weight = (_tp(sp_gather, x, tp, cluster, gpu)
-              + [gemm("QKV weight gradient", x.qkv, h, t, gpu, e, output_bytes=main_grad),
-                 gemm("projection weight gradient", h, x.query, t, gpu, e,
-                      output_bytes=main_grad)])
+              + [_linear("QKV weight gradient", x, x.qkv, h, t, gpu, output_bytes=main_grad),
+                 _linear("projection weight gradient", x, h, x.query, t, gpu,
+                         output_bytes=main_grad)])
     return PassKernels(tuple(forward), tuple(backward), tuple(weight))
 
 
@@ -245,18 +269,21 @@ def _dense_mlp(x: _Shape, tp: int, cluster: ClusterConfig, gpu: GpuSpec) -> Pass
     """FC1, the activation, FC2 (a MoE layer's shared experts), with their TP collectives."""
     t, e, h = x.tokens, x.e, x.hidden
     forward = (_gathered(x, tp, cluster, gpu, "gather")
-               + [gemm("FC1 GEMM", t, x.fc1, h, gpu, e)] + _activation(x, gpu, False)
-               + [gemm("FC2 GEMM", t, h, x.ffn, gpu, e)]
+               + _casts("FP8 casts (FC1, FC2 inputs)", x, (h, x.ffn), gpu)
+               + [_linear("FC1 GEMM", x, t, x.fc1, h, gpu)] + _activation(x, gpu, False)
+               + [_linear("FC2 GEMM", x, t, h, x.ffn, gpu)]
                + _gathered(x, tp, cluster, gpu, "scatter"))
     backward = (_gathered(x, tp, cluster, gpu, "gather")
-                + [gemm("FC2 input gradient", t, x.ffn, h, gpu, e)] + _activation(x, gpu, True)
-                + [gemm("FC1 input gradient", t, h, x.fc1, gpu, e)]
+                + _casts("FP8 casts (FC1, FC2 output gradients)", x, (x.fc1, h), gpu)
+                + [_linear("FC2 input gradient", x, t, x.ffn, h, gpu)]
+                + _activation(x, gpu, True)
+                + [_linear("FC1 input gradient", x, t, h, x.fc1, gpu)]
                 + _gathered(x, tp, cluster, gpu, "scatter"))
     main_grad = 8 if e == 2 else None
     sp_gather = ("all-gather (W input)",) if x.sp_tokens < t else ()
     weight = (_tp(sp_gather, x, tp, cluster, gpu)
-              + [gemm("FC1 weight gradient", x.fc1, h, t, gpu, e, output_bytes=main_grad),
-                 gemm("FC2 weight gradient", h, x.ffn, t, gpu, e, output_bytes=main_grad)])
+              + [_linear("FC1 weight gradient", x, x.fc1, h, t, gpu, output_bytes=main_grad),
+                 _linear("FC2 weight gradient", x, h, x.ffn, t, gpu, output_bytes=main_grad)])
     return PassKernels(tuple(forward), tuple(backward), tuple(weight))
 
 

@@ -34,6 +34,10 @@ walk adds one layer's on top of the level while that pass runs, so the peak is w
 allocator sees, not only what saved-tensor hooks see (``vshape gpu-check`` measures both on a
 GPU: docs/plan.md, "Workspace").
 
+FP8 (``TrainingConfig.fp8``, :mod:`.fp8`): the linear layers keep their inputs (the QKV, FC1,
+projection and FC2 inputs) in one byte, not e, and each layer adds its linears' FP8 weight
+copies and amax histories to the static bytes.
+
 Recomputation (:mod:`.recompute`): ``selective`` drops the attention term (softmax output,
 its dropout mask and output; flash attention's statistics), ``full`` keeps only each layer's
 input, e sb h/sp; either way B replays what was dropped, so while a B runs, one layer's
@@ -55,6 +59,7 @@ from typing import Sequence
 
 from ..schedule.model.actions import PassKind
 from ..schedule.model.schedule import Schedule
+from . import fp8
 from .model import ModelConfig
 from .settings import TrainingConfig
 from .shares import ChunkShare
@@ -165,9 +170,9 @@ def _mlp_bytes(model: ModelConfig, training: TrainingConfig, tokens: int, tp: in
     e, h = training.element_bytes, model.hidden_size
     wide = 2 if model.swiglu else 1
     if not model.moe:
-        f = model.ffn
-        return _MlpBytes(e * tokens * (wide * f + f) / tp, e * tokens * wide * f / tp,
-                         e * tokens * f / tp, e * tokens * (wide * f / tp + h))
+        f, lin = model.ffn, training.linear_input_bytes  # FC2's input: FP8 under --fp8
+        return _MlpBytes(tokens * (e * wide * f + lin * f) / tp, e * tokens * wide * f / tp,
+                         lin * tokens * f / tp, e * tokens * (wide * f / tp + h))
     routed = tokens / sp * model.moe_router_topk
     fe, fs = model.expert_ffn, model.shared_ffn
     router = 4 * tokens / sp * model.num_experts
@@ -189,8 +194,9 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     sp = tp if training.sequence_parallel and tp > 1 else 1
     tokens = s * b
     mlp = _mlp_bytes(model, training, tokens, tp, sp)
-    split = e * tokens * ((q + kv) + q) / tp + mlp.kept
-    replicated = e * tokens * 4 * h / sp
+    lin = training.linear_input_bytes  # a linear's saved input: one byte under FP8
+    split = tokens * (e * (q + kv) + lin * q) / tp + mlp.kept
+    replicated = (2 * e + 2 * lin) * tokens * h / sp  # layernorm inputs, QKV and FC1 inputs
     mask = training.dropout_mask_bytes if training.dropout else 0
     masks = 2 * mask * tokens * h / sp
     if training.flash_attention:
@@ -200,7 +206,7 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
         attention = e * scores + ((mask + e) * scores if training.dropout else 0.0)
         if training.fp32_softmax_copy and e < 4:
             attention += 4 * scores
-    inputs = e * tokens * (2 * h / sp + q / tp) + mlp.w_inputs
+    inputs = lin * tokens * (2 * h / sp + q / tp) + mlp.w_inputs
     output_grads = e * tokens * ((q + kv) / tp + h) + mlp.output_grads
     ids = 2 * 8 * tokens  # int64 token and position ids
     embedding = ids + mask * tokens * h / sp
@@ -209,7 +215,7 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     wgrad = inputs + output_grads
     # what the layer keeps after its attention core: the projection's input, the second
     # layernorm's and the first MLP linear's inputs, the MLP, both dropout masks
-    after_core = e * tokens * q / tp + 2 * e * tokens * h / sp + mlp.kept + masks
+    after_core = lin * tokens * q / tp + (e + lin) * tokens * h / sp + mlp.kept + masks
     attention_scratch, workspace = _layer_workspace(model, training, tokens, tp, mlp)
 
     def forward_dropping(dropped: float) -> Workspace:
@@ -223,7 +229,7 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
         # freed that half by then; a split B keeps its linear inputs and adds their output
         # gradients (and the attention projection's) for W
         freed = mlp.activation_input + e * tokens * h / sp + masks
-        after = freed + e * tokens * q / tp + mlp.w_inputs + e * tokens * h / sp
+        after = freed + lin * tokens * q / tp + mlp.w_inputs + lin * tokens * h / sp
         kept = mlp.output_grads + e * tokens * h
         return ActivationSizes(layer - attention, wgrad, embedding, head,
                                transient=max(0.0, attention - after),
@@ -380,4 +386,18 @@ def static_memory(model: ModelConfig, training: TrainingConfig, chunks: Sequence
     if training.distributed_optimizer:
         state = optimizer * (dense / dp + experts / (dp * tp / ep))
     count = dense + experts
-    return StaticMemory(count, count * weight, count * grad, state, experts)
+    copies = 0.0
+    if training.fp8:  # the FP8 weight copies and amax histories of the layers' linears
+        layers = sum(c.layers for c in chunks)
+        copies = layers * (fp8.WEIGHT_COPY_BYTES * _linear_weights(model) / tp
+                           + fp8.LINEARS_PER_LAYER * fp8.AMAX_BYTES_PER_LINEAR)
+    return StaticMemory(count, count * weight + copies, count * grad, state, experts)
+
+
+def _linear_weights(model: ModelConfig) -> int:
+    """One layer's FP8-cast linear weights (no TP): QKV, projection and the dense MLP (a MoE
+    layer's shared experts; its routed experts stay 16-bit here)."""
+    h, q = model.hidden_size, model.query_width
+    kv = 2 * model.query_groups * model.head_dim
+    f = model.shared_ffn if model.moe else model.ffn
+    return h * (q + kv) + q * h + (3 if model.swiglu else 2) * h * f

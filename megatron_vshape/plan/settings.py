@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .fp8 import OPERAND_BYTES
 from .kernels import GpuSpec
 
 __all__ = ["TrainingConfig", "ClusterConfig", "ParallelLayout", "PRECISIONS", "COST_MODELS",
@@ -65,6 +66,10 @@ class TrainingConfig:
     dropout_mask_bytes: int = 1
     """Bytes per dropout-mask element: 1 on GPUs (bool masks, as Korthikanti et al. count);
     PyTorch's CPU dropout keeps its mask in the activation dtype (4 in fp32)."""
+    fp8: bool = False
+    """FP8 linear layers (Transformer Engine, megatron ``--fp8-format hybrid``,
+    ``--fp8``): their GEMMs at twice the 16-bit rate, their saved inputs in one byte, an FP8
+    copy of their weights (plan/fp8.py). Needs ``precision`` bf16."""
     fp32_softmax_copy: bool = False
     """Without flash attention: megatron's unfused softmax (no apex or Transformer Engine
     kernel, or masked_softmax_fusion off) runs in fp32 (attention_softmax_in_fp32) and keeps its
@@ -81,11 +86,21 @@ class TrainingConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"training: precision (--precision) must be one of "
                              f"{', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"training: fp8 (--fp8) must be true or false, got {self.fp8!r}")
+        if self.fp8 and self.precision != "bf16":
+            raise ValueError(f"training: --fp8 runs FP8 GEMMs inside bf16 mixed precision; "
+                             f"use --precision bf16 with it (got --precision {self.precision})")
 
     @property
     def element_bytes(self) -> int:
         """Bytes of one activation element."""
         return 2 if self.precision == "bf16" else 4
+
+    @property
+    def linear_input_bytes(self) -> int:
+        """Bytes of one element of a linear layer's saved input (FP8: one, plan/fp8.py)."""
+        return OPERAND_BYTES if self.fp8 else self.element_bytes
 
     @property
     def parameter_bytes(self) -> tuple[int, int, int]:
