@@ -96,6 +96,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
                    help="FP8 linear layers (Transformer Engine, --fp8-format hybrid): their GEMMs "
                         "at twice the bf16 rate, their saved inputs and an FP8 weight copy in "
                         "one byte per element (needs --precision bf16; docs/plan.md)")
+    p.add_argument("--cp", type=int, default=1, metavar="C",
+                   help="context-parallel size: each of C ranks holds seq/C tokens (the "
+                        "load-balanced causal split; the K/V ring's traffic is counted); takes "
+                        "GPUs: DP = GPUs / (TP x PP x C) (default 1)")
     p.add_argument("--no-flash-attention", action="store_true",
                    help="keep the s x s attention scores (no fused attention)")
     p.add_argument("--no-sequence-parallel", action="store_true",
@@ -148,7 +152,8 @@ def _configs(args):
         raise ValueError(f"--model: {err}") from None
     training = TrainingConfig(
         seq_length=args.seq_length or model.seq_length, global_batch=args.global_batch,
-        precision=args.precision, fp8=args.fp8, flash_attention=not args.no_flash_attention,
+        precision=args.precision, fp8=args.fp8, context_parallel=args.cp,
+        flash_attention=not args.no_flash_attention,
         sequence_parallel=not args.no_sequence_parallel,
         distributed_optimizer=not args.no_distributed_optimizer, dropout=not args.no_dropout)
     cluster = ClusterConfig(

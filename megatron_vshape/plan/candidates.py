@@ -146,12 +146,16 @@ def grid_points(model: ModelConfig, training: TrainingConfig, cluster: ClusterCo
                 space: SearchSpace) -> tuple[list[GridPoint], Counter]:
     """Every point whose microbatch count is whole, and how many were skipped, by reason."""
     points, skipped = [], Counter()
+    cp = training.context_parallel
+    if cluster.gpus % cp:
+        raise ValueError(f"--gpus {cluster.gpus} must be a multiple of --cp {cp} (DP x TP x PP "
+                         f"x CP GPUs); e.g. --cp 1, or --gpus {cluster.gpus // cp * cp or cp}")
     eps = expert_parallel_choices(model, space)
     for tp in tensor_parallel_choices(model, cluster, space):
         for pp in pipeline_parallel_choices(model, cluster, space):
-            if cluster.gpus % (tp * pp):
+            if cluster.gpus % (tp * pp * cp):
                 continue
-            dp = cluster.gpus // (tp * pp)
+            dp = cluster.gpus // (tp * pp * cp)
             for ep in eps:
                 if (dp * tp) % ep:
                     skipped["EP does not divide DP x TP"] += 1

@@ -105,7 +105,7 @@ def _tp_collective(training: TrainingConfig, cluster: ClusterConfig, tp: int,
     """Seconds of one all-gather or reduce-scatter of the s b h activation over TP."""
     if tp == 1:
         return 0.0
-    size = training.element_bytes * training.seq_length * micro_batch_size * hidden
+    size = training.element_bytes * training.rank_tokens * micro_batch_size * hidden
     return (tp - 1) / tp * size / (cluster.intra_node_gbps * 1e9)
 
 
@@ -129,7 +129,7 @@ def analytic_times(model: ModelConfig, training: TrainingConfig, cluster: Cluste
 def mfu_times(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
               tp: int, micro_batch_size: int) -> PartTimes:
     """The one-MFU FLOP model of the module docstring."""
-    rate = cluster.flops_per_second
+    rate = cluster.flops_per_second * training.context_parallel  # each CP rank does 1 / CP
     linear, attention = layer_flops(model, training.seq_length, micro_batch_size)
     hop = _tp_collective(training, cluster, tp, micro_batch_size, model.hidden_size)
     sp = training.sequence_parallel
@@ -180,7 +180,7 @@ def p2p_seconds(training: TrainingConfig, cluster: ClusterConfig, hidden: int, t
     if pp == 1:
         return 0.0
     sp = tp if training.sequence_parallel and tp > 1 else 1
-    size = training.element_bytes * training.seq_length * micro_batch_size * hidden / sp
+    size = training.element_bytes * training.rank_tokens * micro_batch_size * hidden / sp
     across = cluster.gpus > cluster.gpus_per_node
     bandwidth = cluster.inter_node_gbps if across else cluster.intra_node_gbps
     return cluster.p2p_latency_us * 1e-6 + size / (bandwidth * 1e9)

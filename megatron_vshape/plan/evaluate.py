@@ -186,7 +186,8 @@ class Evaluator:
                                      point.micro_batch_size).layer
             sizes = dataclasses.replace(sizes, wgrad=leftover * whole)
         chunks = tuple(tuple(chunk_bytes(c, sizes) for c in rank) for rank in shares)
-        static = tuple(static_memory(self.model, self.training, rank, point.tp, point.dp, single,
+        shards = point.dp * self.training.context_parallel  # the optimizer shards over DP x CP
+        static = tuple(static_memory(self.model, self.training, rank, point.tp, shards, single,
                                      point.ep) for rank in shares)
         return RankMemory(chunks, static, shares)
 
@@ -347,10 +348,12 @@ class Evaluator:
         fullest = max(ranks.static, key=lambda s: s.parameters)
         # dense parameters reduce over DP, routed experts over DP x TP / EP ranks
         exposed = dp_seconds(self.training, self.cluster,
-                             fullest.parameters - fullest.expert_parameters, point.tp, point.dp)
+                             fullest.parameters - fullest.expert_parameters, point.tp,
+                             point.dp * self.training.context_parallel)
         if fullest.expert_parameters:
             exposed += dp_seconds(self.training, self.cluster, fullest.expert_parameters,
-                                  point.ep, point.dp * point.tp // point.ep)
+                                  point.ep, point.dp * self.training.context_parallel
+                                  * point.tp // point.ep)
         iteration = makespan + exposed
         tokens = self.training.global_batch * self.training.seq_length
         flops = model_flops_per_sample(self.model, self.training.seq_length)

@@ -158,17 +158,18 @@ _FLASH_BLOCK = 128
 
 
 def flash_attention(name: str, batch_heads: int, seq: int, head_dim: int, gpu: GpuSpec,
-                    backward: bool, element_bytes: int = 2) -> Kernel:
+                    backward: bool, element_bytes: int = 2, parts: int = 1) -> Kernel:
     """Causal fused attention over ``batch_heads`` (micro batch x heads on this TP rank)
     sequences of ``seq`` tokens: the forward runs QK^T and PV over the causal half of the
     scores (2 x 2 s^2 d / 2 FLOPs per head), the backward five such products (recomputing the
-    scores), i.e. 2.5 x the forward."""
-    forward_flops = 2.0 * seq * seq * head_dim * batch_heads  # causal half of 4 s^2 d
+    scores), i.e. 2.5 x the forward. ``parts``: context-parallel ranks, each doing an equal
+    1 / parts of that work for its s / parts queries (plan/context_parallel.py)."""
+    forward_flops = 2.0 * seq * seq * head_dim * batch_heads / parts  # causal half of 4 s^2 d
     flops = 2.5 * forward_flops if backward else forward_flops
     efficiency = gpu.flash_backward_efficiency if backward else gpu.flash_forward_efficiency
-    blocks = batch_heads * math.ceil(seq / _FLASH_BLOCK)
+    blocks = batch_heads * math.ceil(seq / parts / _FLASH_BLOCK)
     utilization = blocks / (math.ceil(blocks / gpu.sms) * gpu.sms)
     compute = flops / (gpu.flops * efficiency * utilization)
     tensors = 8 if backward else 4  # q, k, v read, o written (+ o, do read, dq, dk, dv written)
-    moved = tensors * batch_heads * seq * head_dim * element_bytes
+    moved = tensors * batch_heads * seq / parts * head_dim * element_bytes
     return _finish(name, flops, moved, compute, gpu)

@@ -40,6 +40,9 @@ def shared_flags(result: PlanResult) -> list[str]:
         flags.append("--bf16")
     if training.fp8:
         flags += ["--fp8-format", "hybrid"]
+    if training.context_parallel > 1:
+        flags += ["--context-parallel-size", str(training.context_parallel),
+                  "--cp-comm-type", "p2p"]
     flags += ["--attention-backend", "flash" if training.flash_attention else "unfused"]
     if training.distributed_optimizer:
         flags.append("--use-distributed-optimizer")

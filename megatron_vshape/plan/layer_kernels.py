@@ -26,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import fp8
+from .context_parallel import ring_bytes, ring_kernel
 from .kernels import GpuSpec, Kernel, flash_attention, gemm, streaming, transfer
 from .model import ModelConfig
 from .settings import ClusterConfig, TrainingConfig
@@ -82,6 +83,8 @@ class _Shape:
     swiglu: bool
     moe: _Experts | None
     fp8: bool = False    # the layer's linear GEMMs in FP8 (plan/fp8.py)
+    cp: int = 1          # context-parallel ranks (plan/context_parallel.py)
+    cp_gbps: float = 0.0  # the CP ring's link
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,12 @@ class _Experts:
     ep: int
 
 
-def _shape(model: ModelConfig, training: TrainingConfig, tp: int, micro_batch: int,
-           ep: int) -> _Shape:
+def _shape(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig, tp: int,
+           micro_batch: int, ep: int) -> _Shape:
     s, h, d = training.seq_length, model.hidden_size, model.head_dim
-    tokens = s * micro_batch
+    inside = tp * training.context_parallel <= cluster.gpus_per_node  # megatron: TP, then CP
+    cp_gbps = cluster.intra_node_gbps if inside else cluster.inter_node_gbps
+    tokens = training.rank_tokens * micro_batch  # s b / CP
     sp_tokens = tokens // tp if training.sequence_parallel and tp > 1 else tokens
     wide = 2 if model.swiglu else 1
     # a MoE layer's dense MLP part is its shared experts (width 0: none)
@@ -113,7 +118,7 @@ def _shape(model: ModelConfig, training: TrainingConfig, tp: int, micro_batch: i
                   micro_batch * model.num_attention_heads // tp, s, d, model.vocab_size // tp,
                   training.element_bytes, not training.fp32_softmax_copy,
                   training.flash_attention, training.dropout, model.swiglu, experts,
-                  training.fp8)
+                  training.fp8, training.context_parallel, cp_gbps)
 
 
 def _linear(name: str, x: _Shape, m: int, n: int, k: int, gpu: GpuSpec,
@@ -176,8 +181,12 @@ def _softmax_bytes(x: _Shape, backward: bool) -> float:
 def _attention(x: _Shape, gpu: GpuSpec, backward: bool) -> list[Kernel]:
     """The attention core: one fused kernel, or QK^T, softmax, dropout and PV."""
     if x.flash:
-        return [flash_attention("flash attention" + (" backward" if backward else ""), x.heads,
-                                x.seq, x.head_dim, gpu, backward, x.e)]
+        core = flash_attention("flash attention" + (" backward" if backward else ""), x.heads,
+                               x.seq, x.head_dim, gpu, backward, x.e, x.cp)
+        moved = ring_bytes(x.cp, x.tokens, x.qkv - x.query, x.e, backward)
+        return [core] + ring_kernel("CP ring K/V exchange (exposed)", moved, x.cp_gbps,
+                                    core.seconds, gpu)
+    assert x.cp == 1, "TrainingConfig refuses context parallelism without flash attention"
     s, d, e, batch = x.seq, x.head_dim, x.e, x.heads
     scores = batch * s * s
     drop = [streaming("attention dropout" + (" backward" if backward else ""),
@@ -378,6 +387,6 @@ def part_kernels(model: ModelConfig, training: TrainingConfig, cluster: ClusterC
     """The kernels of one microbatch's passes on one TP rank of ``tp`` (a MoE model's experts
     over ``ep`` ranks)."""
     gpu = cluster.gpu
-    x = _shape(model, training, tp, micro_batch_size, ep)
+    x = _shape(model, training, cluster, tp, micro_batch_size, ep)
     return PartKernels(_layer(x, tp, cluster, gpu), _head(x, tp, cluster, gpu),
                        _embedding(x, tp, cluster, gpu), tuple(_attention(x, gpu, False)), gpu)

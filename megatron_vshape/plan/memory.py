@@ -192,7 +192,7 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     h, a, q = model.hidden_size, model.num_attention_heads, model.query_width
     kv = 2 * model.query_groups * model.head_dim
     sp = tp if training.sequence_parallel and tp > 1 else 1
-    tokens = s * b
+    tokens = training.rank_tokens * b  # s b / CP: context parallelism splits every term
     mlp = _mlp_bytes(model, training, tokens, tp, sp)
     lin = training.linear_input_bytes  # a linear's saved input: one byte under FP8
     split = tokens * (e * (q + kv) + lin * q) / tp + mlp.kept
@@ -200,9 +200,9 @@ def activation_sizes(model: ModelConfig, training: TrainingConfig, tp: int,
     mask = training.dropout_mask_bytes if training.dropout else 0
     masks = 2 * mask * tokens * h / sp
     if training.flash_attention:
-        attention = 4 * a * s * b / tp
+        attention = 4 * a * tokens / tp
     else:
-        scores = a * s * s * b / tp
+        scores = a * s * tokens / tp
         attention = e * scores + ((mask + e) * scores if training.dropout else 0.0)
         if training.fp32_softmax_copy and e < 4:
             attention += 4 * scores

@@ -70,6 +70,11 @@ class TrainingConfig:
     """FP8 linear layers (Transformer Engine, megatron ``--fp8-format hybrid``,
     ``--fp8``): their GEMMs at twice the 16-bit rate, their saved inputs in one byte, an FP8
     copy of their weights (plan/fp8.py). Needs ``precision`` bf16."""
+    context_parallel: int = 1
+    """Context-parallel ranks (megatron ``--context-parallel-size``, ``--cp``): each holds
+    s / CP tokens of every sample, in 2 x CP chunks taken from both ends so the causal mask's
+    work is even (megatron's load-balanced split); attention passes the keys and values around
+    the CP ring (plan/context_parallel.py). CP takes GPUs: DP = GPUs / (TP x PP x CP)."""
     fp32_softmax_copy: bool = False
     """Without flash attention: megatron's unfused softmax (no apex or Transformer Engine
     kernel, or masked_softmax_fusion off) runs in fp32 (attention_softmax_in_fp32) and keeps its
@@ -86,6 +91,16 @@ class TrainingConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"training: precision (--precision) must be one of "
                              f"{', '.join(PRECISIONS)}, got {self.precision!r}")
+        _positive("training", "--cp", "context_parallel", self.context_parallel, integer=True)
+        if self.seq_length % (2 * self.context_parallel) and self.context_parallel > 1:
+            raise ValueError(f"training: --seq-length {self.seq_length} must split into "
+                             f"2 x --cp = {2 * self.context_parallel} equal chunks (the "
+                             f"load-balanced causal split); use a --seq-length divisible by "
+                             f"{2 * self.context_parallel} or another --cp")
+        if self.context_parallel > 1 and not self.flash_attention:
+            raise ValueError("training: --cp needs flash attention (megatron's context "
+                             "parallelism runs Transformer Engine's fused attention); drop "
+                             "--no-flash-attention or use --cp 1")
         if not isinstance(self.fp8, bool):
             raise ValueError(f"training: fp8 (--fp8) must be true or false, got {self.fp8!r}")
         if self.fp8 and self.precision != "bf16":
@@ -96,6 +111,11 @@ class TrainingConfig:
     def element_bytes(self) -> int:
         """Bytes of one activation element."""
         return 2 if self.precision == "bf16" else 4
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens of one sample on one context-parallel rank: s / CP."""
+        return self.seq_length // self.context_parallel
 
     @property
     def linear_input_bytes(self) -> int:

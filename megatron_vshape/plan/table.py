@@ -72,6 +72,11 @@ def _header(result: PlanResult) -> list[str]:
                 "sequence parallel" if t.sequence_parallel else "no sequence parallel",
                 "distributed optimizer" if t.distributed_optimizer else "replicated optimizer",
                 "dropout" if t.dropout else "no dropout"]
+    if t.fp8:
+        features.insert(1, "FP8 linears")
+    if t.context_parallel > 1:
+        features.insert(1, f"context parallel {t.context_parallel} (DP = GPUs / (TP x PP x "
+                           f"{t.context_parallel}))")
     counts = result.infeasible_counts()
     lines = [
         f"{m.name}: {m.parameters() / 1e9:.2f}B parameters, {m.num_layers} layers, hidden "
