@@ -192,9 +192,15 @@ class Evaluator:
         return RankMemory(chunks, static, shares)
 
     # -- one configuration --------------------------------------------------------------------
-    def evaluate(self, point: GridPoint, name: str, recompute: str = "none") -> Prediction:
+    def evaluate(self, point: GridPoint, name: str, recompute: str = "none",
+                 stage_layouts: str | None = None) -> Prediction:
         """The prediction for ``point`` under the fixed schedule ``name`` (at PP 1: none) with
-        ``recompute`` (none, selective, full)."""
+        ``recompute`` (none, selective, full), on the even layout or the best one
+        (``stage_layouts``; default the evaluator's)."""
+        layouts = stage_layouts or self.stage_layouts
+        if layouts not in STAGE_LAYOUTS:
+            raise ValueError(f"--stage-layouts must be one of {', '.join(STAGE_LAYOUTS)}, got "
+                             f"{layouts!r}")
         if point.pp == 1:
             return self._no_pipeline(point, ParallelLayout(
                 point.dp, point.tp, 1, point.micro_batch_size, NO_PIPELINE, recompute, point.ep))
@@ -211,7 +217,7 @@ class Evaluator:
                                  recompute=recompute)
         peaks = peak_activation_bytes(probe, ranks.chunks)
         if max(s.total + a for s, a in zip(ranks.static, peaks)) > self.cluster.budget_bytes \
-                and self.stage_layouts == "even":
+                and layouts == "even":
             return self._memory_failure(point, layout, ranks, peaks,
                                         "parameters, optimizer state and activations")
         schedule = self.schedule(name, point.pp, point.microbatches)
@@ -219,7 +225,8 @@ class Evaluator:
             return Prediction(layout, point.microbatches, False, str(schedule), "schedule")
         times = self.times(point.tp, point.micro_batch_size, recompute, point.ep)
         hop = self.hop(point)
-        stages = self.choose_stages(point, name, recompute, probe, schedule, even, times, hop)
+        stages = even if layouts == "even" else self.choose_stages(
+            point, name, recompute, probe, schedule, even, times, hop)
         if stages is None:  # no layout fits: report the even one's memory
             return self._memory_failure(point, layout, ranks, peaks,
                                         "parameters, optimizer state and activations")
@@ -234,8 +241,7 @@ class Evaluator:
     def choose_stages(self, point: GridPoint, name: str, recompute: str, probe, schedule,
                       even, times: PartTimes, hop: float):
         """The layout (:mod:`.layout_search`) whose simulated makespan is least among those
-        whose memory fits on the probe schedule (the even one alone under ``stage_layouts``
-        ``even``); None when none fits."""
+        whose memory fits on the probe schedule; None when none fits."""
         placement = schedule.placement
 
         def score(counts) -> float:
@@ -249,8 +255,6 @@ class Evaluator:
             return self.simulate_stages(name, schedule, stage_times(stages, times), hop)[0]
 
         counts = tuple(s.layers for s in even)
-        if self.stage_layouts == "even":
-            return even
         choice = best_layout(placement, self.model.num_layers, times, counts, score)
         return None if math.isinf(choice.score) else stages_from_counts(choice.counts)
 

@@ -5,7 +5,9 @@ fixed schedule and each recomputation kind that schedule takes (:mod:`.recompute
 ``v-half+sel``), :class:`~.evaluate.Evaluator` predicts memory and time. ``auto`` (the
 paper's adaptive scheduler, section 4) is searched only at the ``auto_candidates`` best points:
 a search costs up to seconds where a fixed schedule costs milliseconds, and it can only help
-where the pipeline, not TP or DP, is the bottleneck. The result ranks the feasible rows by
+where the pipeline, not TP or DP, is the bottleneck. Likewise, under ``stage_layouts="best"``
+the few fastest rows of each schedule are re-evaluated on the layout of whole layers per stage
+their schedule runs fastest (:mod:`.layout_search`). The result ranks the feasible rows by
 predicted throughput (tokens per second per GPU), fastest first.
 """
 from __future__ import annotations
@@ -25,6 +27,9 @@ from .settings import GIB, ClusterConfig, TrainingConfig
 __all__ = ["PlanResult", "plan"]
 
 log = logging.getLogger(__name__)
+
+LAYOUT_ROWS = 4
+"""Rows per schedule label that get a chosen layout under ``stage_layouts="best"``."""
 
 _PROXIES = ("v-min", "v-half")
 """Schedules that rank points for ``auto`` when no fixed schedule was asked for."""
@@ -109,6 +114,27 @@ def _auto_points(evaluator: Evaluator, points: list[GridPoint], rows: list[Predi
     return sorted(pipelined, key=score)[:space.auto_candidates]
 
 
+def _with_best_layouts(evaluator: Evaluator, rows: list[Prediction]) -> list[Prediction]:
+    """``rows`` (on the even layout) with the :data:`LAYOUT_ROWS` fastest pipelined ones of
+    each schedule label re-evaluated on their best layout (plan/layout_search.py): a layout
+    search simulates up to 60 layouts, so it runs where it can change the ranking; a layout
+    gains 5-30%, and the rows below the few best of their schedule rarely climb over them. A
+    label with fewer feasible rows tries its rows that missed the memory by least, which a
+    layout moving layers off the fullest rank can bring in."""
+    best: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.layout.pp > 1 and (row.feasible or row.reason_kind == "memory"):
+            best.setdefault(row.layout.label, []).append(i)
+    rows = list(rows)
+    for label, indices in best.items():
+        indices.sort(key=lambda i: (not rows[i].feasible, -rows[i].tokens_per_second_per_gpu,
+                                    rows[i].peak_bytes))
+        for i in indices[:LAYOUT_ROWS]:
+            lay = rows[i].layout
+            rows[i] = evaluator.evaluate(_point_of(rows[i]), lay.schedule, lay.recompute, "best")
+    return rows
+
+
 def _point_of(row: Prediction) -> GridPoint:
     lay = row.layout
     return GridPoint(lay.dp, lay.tp, lay.pp, lay.micro_batch_size, row.microbatches, lay.ep)
@@ -119,7 +145,7 @@ def plan(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
          ) -> PlanResult:
     """Predict every configuration of ``space``; feasible ones ranked fastest first."""
     started = time.perf_counter()
-    evaluator = Evaluator(model, training, cluster, profile, space.stage_layouts)
+    evaluator = Evaluator(model, training, cluster, profile)
     points, skipped = grid_points(model, training, cluster, space)
     rows: list[Prediction] = []
     for point in points:
@@ -129,6 +155,8 @@ def plan(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
                                                   training.flash_attention))
     log.info("evaluated %d fixed-schedule configurations in %.2f s", len(rows),
              time.perf_counter() - started)
+    if space.stage_layouts == "best":
+        rows = _with_best_layouts(evaluator, rows)
     if "auto" in space.schedules and space.auto_candidates and "none" in space.recompute:
         for point in _auto_points(evaluator, points, rows, space):
             rows.append(evaluator.evaluate_auto(point))
