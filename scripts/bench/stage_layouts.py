@@ -26,21 +26,28 @@ SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-1p", "v-min", "v-half", "v-zb")
 _V = ("v-min", "v-half", "v-zb")
 
 
-def _fits(evaluator: Evaluator, point: GridPoint) -> bool:
-    return any(evaluator.evaluate(point, name).feasible for name in _V)
+def _setting(model, pp: int, tp: int, args) -> tuple:
+    """(point, evaluator choosing layouts) on PP x TP GPUs, DP 1."""
+    training = TrainingConfig(args.seq_length, args.global_batch)
+    cluster = ClusterConfig(gpus=pp * tp, gpu_memory_gib=args.gpu_memory)
+    point = GridPoint(1, tp, pp, args.micro_batch, args.global_batch // args.micro_batch)
+    return point, Evaluator(model, training, cluster, stage_layouts="best")
 
 
 def _case(model, pp: int, args) -> list[dict]:
-    training = TrainingConfig(args.seq_length, args.global_batch)
-    for tp in (1, 2, 4, 8):
-        if model.num_attention_heads % tp or model.query_groups % tp:
-            continue
-        cluster = ClusterConfig(gpus=pp * tp, gpu_memory_gib=args.gpu_memory)
-        point = GridPoint(1, tp, pp, args.micro_batch, args.global_batch // args.micro_batch)
-        best = Evaluator(model, training, cluster, stage_layouts="best")
-        if _fits(best, point):
-            break
-    even = Evaluator(model, training, cluster, stage_layouts="even")
+    """At the smallest TP where a V fits; where none can, where any schedule fits; else TP 1."""
+    tps = [t for t in (1, 2, 4, 8)
+           if model.num_attention_heads % t == 0 and model.query_groups % t == 0]
+    settings = {tp: _setting(model, pp, tp, args) for tp in tps}
+
+    def fits(tp: int, names) -> bool:
+        point, evaluator = settings[tp]
+        return any(evaluator.evaluate(point, name).feasible for name in names)
+
+    tp = next((t for t in tps if fits(t, _V)), None) or \
+        next((t for t in tps if fits(t, SCHEDULES)), tps[0])
+    point, best = settings[tp]
+    even = Evaluator(model, best.training, best.cluster, stage_layouts="even")
     rows = []
     for name in SCHEDULES:
         ours, theirs = best.evaluate(point, name), even.evaluate(point, name)
