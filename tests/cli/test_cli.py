@@ -444,9 +444,14 @@ def test_stage_costs_and_costs_exclude_each_other(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_compare_with_stage_costs_keeps_the_schedules_of_that_stage_count(capsys):
+def test_compare_with_stage_costs_keeps_the_schedules_that_can_read_them(capsys):
+    """2p stages: every schedule (1F1B's stage k sums stages 2k and 2k + 1); p stages: only
+    the one-chunk schedules, the others named as skipped."""
     assert main(["compare", "-p", "2", "-m", "4", "--json", "--stage-costs", HEAVY_HEAD]) == 0
     out, err = capsys.readouterr()
-    names = [json.loads(line)["schedule"] for line in out.splitlines()]
-    assert names == [n for n in SCHEDULES if n not in ("1f1b", "zb-1p")]
-    assert "skipping 1f1b, zb-1p" in err
+    assert [json.loads(line)["schedule"] for line in out.splitlines()] == list(SCHEDULES)
+    assert err == ""
+    assert main(["compare", "-p", "2", "-m", "4", "--json", "--stage-costs", "2,2,2/3,3,3"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["schedule"] for line in out.splitlines()] == ["1f1b", "zb-1p"]
+    assert "skipping interleaved-1f1b, v-min, v-half, v-zb, auto" in err

@@ -50,23 +50,40 @@ def test_pass_times_read_each_stage_where_the_placement_puts_it():
     loop = Placement(2, Layout.LOOP)  # the same stages' layers, placed the interleaved way
     assert [t.forward for t in costs.stage_times(loop)] == [1, 2, 3, 4]
     assert costs.pass_times(loop)[0][1].forward == 3  # rank 0's chunk 1 is stage 2 there
-    with pytest.raises(ScheduleError, match="4 stages, schedule has 2"):
-        costs.pass_times(Placement(2, Layout.SINGLE))
+    single = costs.pass_times(Placement(2, Layout.SINGLE))  # 1F1B: the same layers, 2 stages
+    assert single == ((PassTimes(3, 11, 19, 30),), (PassTimes(7, 15, 23, 38),))
     with pytest.raises(ScheduleError, match="2 ranks, schedule has 4"):
         costs.pass_times(Placement(4, Layout.SINGLE))
+    three = Costs.from_list([1, 1, 1, 0, [[1, 1, 1], [2, 2, 2], [3, 3, 3]]], 2)
+    with pytest.raises(ScheduleError, match="given for 3 stages, schedule has 4"):
+        three.pass_times(V2)
 
 
-def test_uniform_halves_are_the_per_rank_costs_exactly():
-    """Stages that halve each rank's share give Costs.build's value: equal, same hash, same
-    serialisation and the same makespan, bit for bit."""
-    per_rank = Costs.build(4, [2.0, 2.2, 1.6, 3.0], 1.39, 0.35, comm=0.05)
+def test_uniform_stages_are_the_uniform_costs():
+    """Stages that all cost the same give Costs.build's value: equal, same hash and list."""
+    uniform = Costs.build(4, 2.0, 2.78, 0.7, comm=0.05)
     placement = Placement(4, Layout.V)
-    halves = [per_rank.forward[placement.rank_of(s)] / 2 for s in range(8)]
-    staged = Costs.for_stages(placement, halves, [1.39 / 2] * 8, [0.35 / 2] * 8, comm=0.05)
-    assert staged == per_rank and hash(staged) == hash(per_rank)
-    assert staged.stages is None and staged.as_list() == per_rank.as_list()
-    schedule = build_schedule("v-half", 4, 8, costs=per_rank)
+    staged = Costs.for_stages(placement, [1.0] * 8, [1.39] * 8, [0.35] * 8, comm=0.05)
+    assert staged == uniform and hash(staged) == hash(uniform)
+    assert staged.stages is None and staged.as_list() == uniform.as_list() == [2.0, 2.78, 0.7,
+                                                                             0.05]
+
+
+@pytest.mark.parametrize("name", ["v-half", "auto", "interleaved-1f1b"])
+def test_stages_that_halve_per_rank_shares_time_as_the_shares(name):
+    """Each rank's chunks given as halves of its per-rank share: the same makespan, bit for
+    bit, from the same build and from the build for the per-stage form."""
+    per_rank = Costs.build(4, [2.0, 2.2, 1.6, 3.0], 1.39, 0.35, comm=0.05)
+    placement = Placement(4, schedule_info(name).layout)
+    staged = Costs.for_stages(placement,
+                              *[[xs[placement.rank_of(s)] / 2 for s in range(8)]
+                                for xs in (per_rank.forward, per_rank.backward,
+                                           per_rank.weight)], comm=0.05)
+    assert staged.pass_times(placement) == per_rank.pass_times(placement)
+    assert staged.forward == per_rank.forward
+    schedule = build_schedule(name, 4, 8, costs=per_rank)
     assert simulate(schedule, staged).makespan == simulate(schedule, per_rank).makespan
+    assert build_schedule(name, 4, 8, costs=staged).rank_actions == schedule.rank_actions
 
 
 def test_the_list_form_round_trips():

@@ -83,8 +83,10 @@ class Costs:
         """Costs from per-stage times: ``forward[s]`` is one forward pass of global stage ``s``
         for one microbatch (not a rank's share), likewise ``backward`` (B) and ``weight`` (W).
 
-        Where every rank's chunks cost the same this is the per-rank form (:meth:`build` with
-        each rank's chunks summed): equal, same hash, same serialisation, same timings.
+        Where every stage costs the same this is :meth:`build`'s uniform form (each rank's
+        chunks summed): equal, same hash, same serialisation. Stages that halve per-rank
+        shares time bit for bit as those shares do, but stay per stage: 1F1B's stage k reads
+        stages 2k and 2k + 1 (:meth:`pass_times`), not the V's rank k share.
         """
         comm = _check_comm(comm)
         count = placement.num_stages
@@ -102,13 +104,18 @@ class Costs:
         chunks = [[per_stage[placement.stage_of(r, c)] for c in range(placement.chunks)]
                   for r in range(placement.ranks)]
         sums = [tuple(sum(t[k] for t in mine) for mine in chunks) for k in range(3)]
-        uniform = all(len(set(mine)) == 1 for mine in chunks)
-        return cls(*sums, comm=comm, stages=None if uniform else per_stage)
+        uniform = len(set(per_stage)) == 1  # not per rank: the per-rank form is a rank's
+        return cls(*sums, comm=comm, stages=None if uniform else per_stage)  # share anywhere
 
     def pass_times(self, placement: Placement) -> tuple[tuple[PassTimes, ...], ...]:
         """``[rank][chunk]``: how long one pass of that chunk takes, by kind, under
-        ``placement``; what the simulator, constructions and bounds time passes by. Raises
-        ScheduleError when the costs were given for another number of ranks or stages."""
+        ``placement``; what the simulator, constructions and bounds time passes by.
+
+        Per-stage costs are the model's layers in stage order, so any placement of as many
+        stages reads them (a V's and the interleaved layout's 2p alike); one with fewer
+        stages sums consecutive ones (1F1B's stage k: stages 2k and 2k + 1). Raises
+        ScheduleError when the costs were given for another number of ranks, or of stages
+        that does not divide that way."""
         if len(self.forward) != placement.ranks:
             raise ScheduleError(
                 f"costs are given for {len(self.forward)} ranks, schedule has {placement.ranks}")
@@ -117,13 +124,23 @@ class Costs:
             return tuple(
                 (PassTimes(f / share, b / share, w / share, (b + w) / share),) * share
                 for f, b, w in zip(self.forward, self.backward, self.weight))
-        if len(self.stages) != placement.num_stages:
-            raise ScheduleError(
-                f"costs are given for {len(self.stages)} stages, schedule has "
-                f"{placement.num_stages} ({placement.layout.value} layout)")
+        stages = self._cut_into(placement.num_stages)
         return tuple(tuple(PassTimes(f, b, w, b + w) for f, b, w in
-                           (self.stages[placement.stage_of(r, c)] for c in range(share)))
+                           (stages[placement.stage_of(r, c)] for c in range(share)))
                      for r in range(placement.ranks))
+
+    def _cut_into(self, count: int) -> tuple[tuple[float, float, float], ...]:
+        """The per-stage times for ``count`` stages: as given, or, where a placement cuts the
+        same layers into fewer stages (1F1B's p against a V's 2p), each of its stages the sum
+        of the consecutive given stages it holds."""
+        given = len(self.stages)
+        if given % count:
+            raise ScheduleError(f"costs are given for {given} stages, schedule has {count}")
+        k = given // count
+        if k == 1:
+            return self.stages
+        return tuple(tuple(sum(t[i] for t in self.stages[s * k:(s + 1) * k]) for i in range(3))
+                     for s in range(count))
 
     def stage_times(self, placement: Placement) -> tuple[PassTimes, ...]:
         """Per global stage, how long one of its passes takes (:meth:`pass_times`)."""

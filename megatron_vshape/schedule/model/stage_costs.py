@@ -8,7 +8,9 @@ optionally a last item of one number, the hop time::
 
 A file (a name ending in ``.json``) holds ``{"forward": [...], "backward": [...],
 "weight": [...], "comm": 0.1}`` (``comm`` optional), each list one value per global stage.
-Every time is one pass of that stage for one microbatch (:meth:`.Costs.for_stages`).
+Every time is one pass of that stage for one microbatch (:meth:`.Costs.for_stages`). A
+one-chunk schedule (1F1B, ZB-1P) takes p stages, or a two-chunk model's 2p stages, which it
+reads in pairs (its stage k: stages 2k and 2k + 1, the same layers).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from .actions import ScheduleError
 from .costs import Costs
-from .placement import Placement
+from .placement import Layout, Placement
 
 __all__ = ["parse_stage_costs", "STAGE_COSTS_FORM"]
 
@@ -35,6 +37,8 @@ def parse_stage_costs(text: str, placement: Placement, option: str = "--stage-co
             forward, backward, weight, comm = _from_file(Path(text.strip()))
         else:
             forward, backward, weight, comm = _from_text(text)
+        if placement.chunks == 1 and len(forward) == 2 * placement.num_stages:
+            placement = Placement(placement.ranks, Layout.V)  # read in pairs (pass_times)
         if len(forward) != placement.num_stages:
             raise ScheduleError(
                 f"gives {len(forward)} stages, the schedule has {placement.num_stages} "
