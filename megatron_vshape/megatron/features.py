@@ -242,8 +242,8 @@ SETTINGS = (
             "megatron-core's own PipelineParallelLayerLayout, layers numbered globally (a "
             "checkpoint loads under any layout). zb-1p: a layout of exactly PP stages, "
             "megatron's own placement",
-            LAYOUTS + " (PP 2, 4 stages, the loss stage without layers; a 1f1b checkpoint of "
-            "another layout resumed); " + UNEVEN_ZB1P),
+            LAYOUTS + " (PP 2, 4 stages, the loss stage without layers, also beside an MTP "
+            "layer; a 1f1b checkpoint of another layout resumed); " + UNEVEN_ZB1P),
     Setting("--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-"
             "pipeline-split", ("decoder_first_pipeline_num_layers",
                                "decoder_last_pipeline_num_layers",

@@ -16,6 +16,9 @@ validation losses to 1e-5 relative (REL, fp32):
     v-half  --account-for-embedding-in-pipeline-split          stages 1,2,2,2, resumed at
                                                               iteration 2 from 1f1b's checkpoint
 
+and the same model with one MTP layer (rope, untied embeddings) under v-half with
+"Et|ttt|ttt|mL" against 1f1b, the logged MTP loss too.
+
 Checkpoints are keyed by global layer, so the last run loads 1f1b's (2,5 layers per rank) into
 a V of another layout. Runs under Megatron-LM core_v0.16.1 with megatron-core 0.16 and the
 0.19-era training code with megatron-core 0.19.2 (marker megatron_versions)::
@@ -31,7 +34,8 @@ import pytest
 
 from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
 from support.megatron_lm_tier import (
-    ITERS, TINY_GPT, Run, Runs, assert_same_training, initial_checkpoint)
+    ITERS, TINY_GPT, Run, Runs, assert_same_mtp_losses, assert_same_training,
+    initial_checkpoint)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron_versions]
 
@@ -126,6 +130,27 @@ def test_the_v_places_the_layers_the_flags_ask_for(runs):
     head = v[0] - layer
     print({"layer": layer, "rank 0 without its layer (embedding, LM head)": head})
     assert head > 4 * layer  # the model of this tier: rank 0's ends outweigh 4 layers
+
+
+MTP = MODEL + ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion",
+               "--untie-embeddings-and-output-weights"]
+"""The model with one multi-token prediction layer (rope and untied embeddings, as
+support.megatron_lm_tier.MTP_CASES say why)."""
+
+
+def test_mtp_beside_a_loss_stage_without_layers(runs):
+    """"Et|ttt|ttt|mL": stage 3 holds the MTP layer and the loss but no decoder layer, so
+    megatron puts the final norm in stage 2 (rank 1's chunk 1, where layer 7 is); equal to 1f1b
+    with the logged MTP loss."""
+    start = initial_checkpoint(runs, "layouts-mtp", MTP + START, NPROC)
+    iters = ["--train-iters", str(ITERS)]
+    reference = runs.get("layouts-mtp-1f1b", TINY_GPT + MTP + start + START +
+                         ["--pipeline-schedule", "1f1b"] + iters, NPROC)
+    got = runs.get("layouts-mtp-v-half", TINY_GPT + MTP + start + [
+        "--pipeline-model-parallel-layout", "Et|ttt|ttt|mL", "--pipeline-schedule", "v-half"]
+        + iters, NPROC)
+    assert_same_training(got, reference, "layouts mtp v-half")
+    assert_same_mtp_losses(got, reference, "layouts mtp v-half")
 
 
 def _parameters_per_rank(run: Run) -> dict:
