@@ -257,7 +257,8 @@ SETTINGS = (
             "stages share the rest evenly; --account-for-*: the embedding (loss) counts as a "
             "layer of stage 0 (2 x PP - 1), num_layers + 1 (+ 1) a multiple of 2 x PP, as "
             "megatron splits PP x VP stages. zb-1p: megatron's own 1F1B meaning",
-            LAYOUTS + " (v-zb with first/last 0 / 1, zb-1p with last 2, v-half with the "
+            LAYOUTS + " (v-zb with first/last 0 / 1, zb-1p with last 2 and with the loss "
+            "counted, v-half with the "
             "embedding counted resuming 1f1b's checkpoint of another layout); " + UNEVEN_ZB1P),
     # -- model features ------------------------------------------------------------------------
     Setting("--mtp-num-layers, --mtp-loss-scaling-factor", ("mtp_num_layers",),

@@ -500,3 +500,14 @@ def test_the_default_split_is_unchanged_without_the_flags():
         check_arguments(_placed("v-half", {}, num_layers=3))
     check_arguments(_placed("v-half", {"pipeline_model_parallel_layout": "E|t|t|tL"},
                             num_layers=3))
+
+
+@pytest.mark.parametrize("flags", [flags for flags, stages, _ in ACCEPTED_PLACEMENTS if stages])
+def test_a_v_layout_prints_as_the_layout_flag_that_gives_it_back(flags):
+    """megatron_layout() (what the planner prints for a V) parses back to the same stages."""
+    from megatron_vshape.megatron.stage_layout import v_stage_layout
+
+    layout = v_stage_layout(_placed("v-half", flags))
+    again = v_stage_layout(_placed("v-half", {
+        "pipeline_model_parallel_layout": layout.megatron_layout()}))
+    assert again == layout

@@ -13,6 +13,7 @@ validation losses to 1e-5 relative (REL, fp32):
                                                               holds the loss and no layer
     v-zb    --decoder-first/last-pipeline-num-layers 0 / 1    stages 0,3,3,1
     zb-1p   --decoder-last-pipeline-num-layers 2               megatron's 1F1B stages 5,2
+    zb-1p   --account-for-loss-in-pipeline-split               megatron's 1F1B stages 4,3
     v-half  --account-for-embedding-in-pipeline-split          stages 1,2,2,2, resumed at
                                                               iteration 2 from 1f1b's checkpoint
 
@@ -69,6 +70,7 @@ CASES = {
     "v-zb-first-last": ("v-zb", ["--decoder-first-pipeline-num-layers", "0",
                                  "--decoder-last-pipeline-num-layers", "1"]),
     "zb-1p-last": ("zb-1p", ["--decoder-last-pipeline-num-layers", "2"]),
+    "zb-1p-loss": ("zb-1p", ["--account-for-loss-in-pipeline-split"]),
 }
 RESUMED = ("v-half", ["--account-for-embedding-in-pipeline-split"])
 """Stages 1,2,2,2, from 1f1b's checkpoint of iteration 2."""
