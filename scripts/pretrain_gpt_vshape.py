@@ -89,7 +89,8 @@ def main() -> None:
     def v_chunks():  # one per run: it keeps chunk 0 until get_model asks for chunk 1
         return providers.VChunkProvider(
             base, lambda: core_transformer_config_from_args(get_args()),
-            te_delay_wgrad=get_args().transformer_impl == "transformer_engine")
+            te_delay_wgrad=get_args().transformer_impl == "transformer_engine",
+            stage_layers=get_args().vshape_stage_layers)
 
     def v_provider(*args, **kwargs):
         recheck_arguments(get_args())

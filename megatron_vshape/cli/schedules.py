@@ -12,7 +12,10 @@ from pathlib import Path
 
 from ..schedule import (SCHEDULES, VARIANTS, Schedule, ScheduleError, SimResult, build_schedule,
                         parse_costs, parse_memory_model, simulate, validate)
-from ..schedule.names import MEGATRON_OWN_SCHEDULES, MEMORY_LEVELS
+from ..schedule.model.costs import Costs
+from ..schedule.model.placement import Placement
+from ..schedule.model.stage_costs import STAGE_COSTS_FORM, parse_stage_costs
+from ..schedule.names import MEGATRON_OWN_SCHEDULES, MEMORY_LEVELS, schedule_info
 from ..schedule.search.bounds import makespan_floor
 from ..schedule.model.limits import MemoryLimit, parse_bytes
 from ..schedule.search import frontier, search
@@ -21,7 +24,7 @@ from ..schedule.io.render_text import render_grid
 from ..schedule.io.torch_csv import to_torch_csv
 from .ui import add_progress_argument, progress, subcommand, working
 
-__all__ = ["register", "add_schedule_arguments", "memory_limit", "describe"]
+__all__ = ["register", "add_schedule_arguments", "schedule_costs", "memory_limit", "describe"]
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
@@ -29,9 +32,14 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
         parser.add_argument("--schedule", required=True, choices=SCHEDULES, help="schedule name")
     parser.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks (>= 2)")
     parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches (>= 1)")
-    parser.add_argument("--costs", default="1,1,1,0",
-                        help="F,B,W[,COMM]: pass times of one rank's whole layer share, and one "
-                             "pipeline hop (default 1,1,1,0)")
+    costs = parser.add_mutually_exclusive_group()
+    costs.add_argument("--costs", default="1,1,1,0",
+                       help="F,B,W[,COMM]: pass times of one rank's whole layer share (each "
+                            "chunk takes its share), and one pipeline hop (default 1,1,1,0)")
+    costs.add_argument("--stage-costs", metavar="SPEC",
+                       help="instead of --costs, pass times per global stage, where a rank's "
+                            "chunks differ (rank 0's chunk 1 holds the LM head and loss): "
+                            + STAGE_COSTS_FORM.replace("%", "%%"))
     parser.add_argument("--memory-model", default="1,0,-1",
                         help="F,B,W: activation memory each pass adds, in chunk-activations "
                              "(default 1,0,-1: W frees all; measured H100 e.g. 1,-0.75,-0.25: "
@@ -47,6 +55,40 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
     parser.add_argument("--activation-bytes",
                         help="bytes of one microbatch's activations of one rank's layer share "
                              "(e.g. 1.5GiB), for a --memory-limit in bytes")
+
+
+def schedule_costs(name: str, args) -> Costs:
+    """The costs for schedule ``name``: ``--stage-costs`` for its placement's stages, else
+    ``--costs`` per rank."""
+    if getattr(args, "stage_costs", None) is None:
+        return parse_costs(args.costs, args.ranks)
+    return parse_stage_costs(args.stage_costs, Placement(args.ranks, schedule_info(name).layout))
+
+
+def _costs_label(args) -> str:
+    if getattr(args, "stage_costs", None) is None:
+        return f"costs F,B,W,COMM={args.costs}"
+    return f"stage costs {args.stage_costs}"
+
+
+def _matching(names, args) -> list[str]:
+    """The schedules of ``names`` that ``--stage-costs`` has the stage count for (all without
+    it); a note on standard error for the others, the error when none fits."""
+    if getattr(args, "stage_costs", None) is None:
+        return list(names)
+    fits, error = [], None
+    for name in names:
+        try:
+            schedule_costs(name, args)
+            fits.append(name)
+        except ScheduleError as err:
+            error = err
+    if not fits:
+        raise error
+    if len(fits) < len(names):
+        print(f"--stage-costs: skipping {', '.join(n for n in names if n not in fits)} (another "
+              f"number of stages)", file=sys.stderr)
+    return fits
 
 
 def memory_limit(args) -> float | None:
@@ -121,7 +163,8 @@ def register(sub) -> None:
                     "and makespan_floor, a lower bound for any schedule under the same limit.",
         examples=["vshape search --ranks 8 --microbatches 32 --costs 1,1.2,0.8,0.1 "
                   "--memory-limit 0.5",
-                  "vshape search -p 8 -m 32 --memory-limit 40GiB --activation-bytes 6GiB"])
+                  "vshape search -p 8 -m 32 --memory-limit 40GiB --activation-bytes 6GiB",
+                  "vshape search -p 2 -m 16 --stage-costs 1,1.4,0.4/1,1.4,0.4/1,1.4,0.4/3,3.5,0.4"])
     add_schedule_arguments(sea, schedule=False)
     sea.add_argument("--json", action="store_true", help="print one JSON object")
     _add_verbose(sea)
@@ -189,7 +232,7 @@ def _warn_few_microbatches(args, bubble: float | None = None) -> None:
 
 def _report(name: str, args) -> tuple:
     ranks, microbatches = args.ranks, args.microbatches
-    costs = parse_costs(args.costs, ranks)
+    costs = schedule_costs(name, args)
     memory = parse_memory_model(args.memory_model)
     limit = memory_limit(args)
     schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit,
@@ -253,7 +296,8 @@ def _render(args) -> int:
 
 def _export(args) -> int:
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches,
-                              costs=parse_costs(args.costs, args.ranks), memory_limit=memory_limit(args),
+                              costs=schedule_costs(args.schedule, args),
+                              memory_limit=memory_limit(args),
                               memory=parse_memory_model(args.memory_model), variant=args.variant)
     text = to_torch_csv(schedule)
     if args.output:
@@ -268,8 +312,9 @@ def _compare(args) -> int:
     if args.plot and not args.plot.endswith(".png"):
         raise ScheduleError(f"--plot must end in .png, got {args.plot!r}")
     _warn_few_microbatches(args)
+    names = _matching(SCHEDULES, args)
     records = [_report(n, args)[2]
-               for n in progress(SCHEDULES, args, desc="simulating", unit="schedule")]
+               for n in progress(names, args, desc="simulating", unit="schedule")]
     if args.plot:
         _plot_compare(args, records)
     if args.json:
@@ -278,7 +323,7 @@ def _compare(args) -> int:
         if args.plot:
             print(f"wrote {args.plot}", file=sys.stderr)
         return 0
-    print(f"p={args.ranks} m={args.microbatches} costs F,B,W,COMM={args.costs}   "
+    print(f"p={args.ranks} m={args.microbatches} {_costs_label(args)}   "
           "(memory in units of one microbatch's activations of one rank's layer share)")
     head = f"{'schedule':<18}{'peak mem':>9}{'vs 1F1B':>9}{'bubble':>9}{'bubble/span':>13}{'makespan':>10}{'valid':>7}"
     print(head)
@@ -313,7 +358,7 @@ def _plot_compare(args, records: list[dict]) -> None:
             ax.set_xlabel(label)
             ax.set_xlim(0, max(values + [1e-9]) * 1.2)
         mem.invert_yaxis()
-        fig.suptitle(f"p={args.ranks} m={args.microbatches} costs F,B,W,COMM={args.costs}")
+        fig.suptitle(f"p={args.ranks} m={args.microbatches} {_costs_label(args)}")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
     finally:
@@ -321,7 +366,7 @@ def _plot_compare(args, records: list[dict]) -> None:
 
 
 def _search(args) -> int:
-    costs = parse_costs(args.costs, args.ranks)
+    costs = schedule_costs("auto", args)
     _warn_few_microbatches(args)
     with working(args, "searching"):
         found = search(args.ranks, args.microbatches, costs, memory_limit(args),
@@ -337,7 +382,7 @@ def _search(args) -> int:
 
 
 def _frontier(args) -> int:
-    costs = parse_costs(args.costs, args.ranks)
+    costs = schedule_costs("auto", args)
     _warn_few_microbatches(args)
     with working(args, "searching the frontier"):
         points = frontier(args.ranks, args.microbatches, costs,
@@ -353,7 +398,7 @@ def _frontier(args) -> int:
         for row in rows:
             print(json.dumps(row))
     else:
-        print(f"p={args.ranks} m={args.microbatches} costs F,B,W,COMM={args.costs}")
+        print(f"p={args.ranks} m={args.microbatches} {_costs_label(args)}")
         print(f"{'peak mem':>9}{'vs 1F1B':>9}{'bubble':>9}  schedule")
         for row in rows:
             print(f"{row['peak_memory_max']:>9g}{row['peak_memory_vs_1f1b']:>9.3f}{row['bubble_rate']:>9.3f}  "
@@ -361,16 +406,17 @@ def _frontier(args) -> int:
             if args.verbose:
                 print(f"{'':>29}{row['details']}")
     if args.output:
-        _plot_frontier(args, costs, rows)
+        _plot_frontier(args, rows)
         print(f"wrote {args.output}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
-def _plot_frontier(args, costs, rows) -> None:
+def _plot_frontier(args, rows) -> None:
     from ..schedule.io.render_image import plot_frontier
 
     fixed = []
-    for name in ("1f1b",) + MEMORY_LEVELS:
+    for name in _matching(("1f1b",) + MEMORY_LEVELS, args):
+        costs = schedule_costs(name, args)
         memory = parse_memory_model(args.memory_model)
         schedule = build_schedule(name, args.ranks, args.microbatches, costs, memory=memory,
                                   variant=args.variant)
@@ -378,5 +424,5 @@ def _plot_frontier(args, costs, rows) -> None:
         fixed.append((name, result.peak_memory_vs_1f1b, result.bubble_rate))
     if not str(args.output).endswith(".png"):
         raise ScheduleError(f"--output must end in .png, got {args.output!r}")
-    title = f"p={args.ranks} m={args.microbatches} costs {args.costs}"
+    title = f"p={args.ranks} m={args.microbatches} {_costs_label(args)}"
     plot_frontier([(r["peak_memory_vs_1f1b"], r["bubble_rate"]) for r in rows], fixed, args.output, title)

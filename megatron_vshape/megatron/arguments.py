@@ -14,9 +14,11 @@ import logging
 
 from ..schedule.model.limits import MemoryLimit
 from ..schedule.registry import SCHEDULES, VARIANTS
-from .features import STRICT_FLAG, refusals, stand_in_settings, virtual_stages
+from ..schedule.names import V_SCHEDULES
+from .features import STRICT_FLAG, layout_stages, refusals, stand_in_settings, virtual_stages
 from .forward_backward import replans
 from .install import VShapeConfig
+from .stage_layout import layout_flags_set, v_stage_layout
 
 __all__ = ["add_arguments", "check_arguments", "recheck_arguments", "vshape_config",
            "stand_in_notice", "default_schedule"]
@@ -73,7 +75,7 @@ def check_arguments(args) -> None:
     if args.pipeline_schedule is None:
         args.pipeline_schedule = default_schedule(args)
     problems = _schedule_problems(args) + refusals(args, args.pipeline_schedule) + \
-        _strict_problems(args) + _flag_problems(args)
+        _layout_problems(args) + _strict_problems(args) + _flag_problems(args)
     if len(problems) == 1:
         raise ValueError(problems[0])
     if problems:
@@ -101,6 +103,22 @@ def _schedule_problems(args) -> list[str]:
         return ["--pipeline-schedule 1f1b runs one chunk per rank; with virtual pipeline "
                 "stages use --pipeline-schedule interleaved-1f1b (or leave --pipeline-schedule "
                 "out: megatron's own choice)"]
+    return []
+
+
+def _layout_problems(args) -> list[str]:
+    """Under a V: the layer-placing flags read on the V's stages (stage_layout.py), where
+    features.py's rows leave them to check (two stages per rank, a layout of 2 x PP stages)."""
+    if args.pipeline_schedule not in V_SCHEDULES or not layout_flags_set(args) or \
+            args.pipeline_model_parallel_size < 2:
+        return []
+    if args.pipeline_model_parallel_layout is not None and \
+            layout_stages(args) != 2 * args.pipeline_model_parallel_size:
+        return []  # features.py's row says so
+    try:
+        v_stage_layout(args)
+    except ValueError as err:
+        return [f"--pipeline-schedule {args.pipeline_schedule}: {err}"]
     return []
 
 

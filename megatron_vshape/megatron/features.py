@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..schedule.names import PLUGIN_SCHEDULES, V_SCHEDULES
+from .stage_layout import LAYOUT_FLAGS, layout_flags_set, layout_stage_count
 
 __all__ = ["Verdict", "Family", "Setting", "SETTINGS", "family_of", "refusals",
-           "stand_in_settings", "markdown_table", "virtual_stages", "STRICT_FLAG"]
+           "stand_in_settings", "markdown_table", "virtual_stages", "layout_stages",
+           "STRICT_FLAG"]
 
 STRICT_FLAG = "--pipeline-strict"
 
@@ -155,6 +157,16 @@ def _balancing(args) -> list:
 _TESTED_BALANCING = {"aux_loss", "seq_aux_loss", "global_aux_loss", "none"}
 
 
+def _placed(args) -> bool:
+    """Whether a flag places the layers (stage_layout.py reads them under a V)."""
+    return bool(layout_flags_set(args))
+
+
+def layout_stages(args) -> int:
+    """Stages of --pipeline-model-parallel-layout, counted by megatron-core's own parser."""
+    return layout_stage_count(args.pipeline_model_parallel_layout)
+
+
 def virtual_stages(args) -> int:
     """Model chunks per pipeline rank the flags ask for, as Megatron-LM's validate_args
     derives them (core_v0.16.1 arguments.py:516-545): a layout's stages over PP (counted by
@@ -162,12 +174,7 @@ def virtual_stages(args) -> int:
     rank over --num-layers-per-virtual-pipeline-stage; 1 without any."""
     pp = args.pipeline_model_parallel_size
     if args.pipeline_model_parallel_layout is not None:
-        from megatron.core.transformer.pipeline_parallel_layer_layout import \
-            PipelineParallelLayerLayout
-
-        stages = PipelineParallelLayerLayout.get_num_stages_from_str(
-            args.pipeline_model_parallel_layout)
-        return max(1, stages // pp)
+        return max(1, layout_stages(args) // pp)
     if args.num_virtual_stages_per_pipeline_rank is not None:
         return args.num_virtual_stages_per_pipeline_rank
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -181,6 +188,7 @@ E2E = "tests/megatron/test_megatron_lm_e2e.py"
 MOE = "tests/megatron/test_megatron_lm_moe.py"
 FLAGS = "tests/megatron/test_megatron_lm_flags.py"
 UNEVEN_ZB1P = "test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b (e2e, 0.19)"
+LAYOUTS = "tests/megatron/test_megatron_lm_layouts.py"
 MTP = "tests/megatron/test_megatron_lm_mtp.py"
 TE = "tests/megatron/test_megatron_lm_te.py"
 FP8_TESTS = (TE + " (delayed scaling under v-half and zb-1p; tensorwise under v-zb; either "
@@ -193,10 +201,13 @@ SETTINGS = (
             lambda a: a.pipeline_model_parallel_size < 2, X, X,
             "needs --pipeline-model-parallel-size >= 2 (there is no pipeline); use "
             "--pipeline-schedule 1f1b"),
-    Setting("--num-layers < 2 x PP", ("num_layers", "pipeline_model_parallel_size"),
-            lambda a: (a.num_layers or 0) < 2 * a.pipeline_model_parallel_size, X, NA,
+    Setting("--num-layers < 2 x PP", ("num_layers", "pipeline_model_parallel_size")
+            + LAYOUT_FLAGS,
+            lambda a: not _placed(a) and (a.num_layers or 0) < 2 * a.pipeline_model_parallel_size,
+            X, NA,
             "places 2 stages on each rank: --num-layers must be >= 2 x "
-            "--pipeline-model-parallel-size"),
+            "--pipeline-model-parallel-size (or place the layers with "
+            "--pipeline-model-parallel-layout, whose end stages may hold none)"),
     Setting("--num-layers not a multiple of PP (k x PP - 2)", ("num_layers",),
             lambda a: False, R, NA,
             "rank 0, which also holds the embedding and the LM head, runs the missing layers",
@@ -215,10 +226,24 @@ SETTINGS = (
             lambda a: virtual_stages(a) > 1, NA, X,
             "runs one chunk per rank; with virtual pipeline stages use --pipeline-schedule "
             "interleaved-1f1b (megatron's own), or drop the virtual-pipeline flags"),
+    Setting("--pipeline-model-parallel-layout of other than 2 x PP stages",
+            ("pipeline_model_parallel_layout", "pipeline_model_parallel_size"),
+            lambda a: a.pipeline_model_parallel_layout is not None
+            and layout_stages(a) != 2 * a.pipeline_model_parallel_size, X, NA,
+            "reads --pipeline-model-parallel-layout on the V's 2 x PP stages in V order (stage "
+            "s on rank s for s < PP, on rank 2 x PP - 1 - s after; docs/training.md, stage "
+            "layouts): write 2 x PP stages separated by '|' (a layout of PP stages is 1F1B's: "
+            "use --pipeline-schedule zb-1p or 1f1b)"),
     Setting("--pipeline-model-parallel-layout", ("pipeline_model_parallel_layout",),
-            lambda a: a.pipeline_model_parallel_layout is not None, X, R,
-            "cannot be expressed by --pipeline-model-parallel-layout (stage s lives on rank "
-            "s % p there): drop it. zb-1p: a layout of exactly PP stages", UNEVEN_ZB1P),
+            lambda a: a.pipeline_model_parallel_layout is not None, R, R,
+            "V: 2 x PP stages in V order (stage s on rank s for s < PP, on rank 2 x PP - 1 - s "
+            "after), the embedding in stage 0, the loss and MTP in stage 2 x PP - 1 (rank 0), "
+            "at least one layer on every other stage and on rank 0; parsed and checked by "
+            "megatron-core's own PipelineParallelLayerLayout, layers numbered globally (a "
+            "checkpoint loads under any layout). zb-1p: a layout of exactly PP stages, "
+            "megatron's own placement",
+            LAYOUTS + " (PP 2, 4 stages, the loss stage without layers, also beside an MTP "
+            "layer; a 1f1b checkpoint of another layout resumed); " + UNEVEN_ZB1P),
     Setting("--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-"
             "pipeline-split", ("decoder_first_pipeline_num_layers",
                                "decoder_last_pipeline_num_layers",
@@ -227,11 +252,14 @@ SETTINGS = (
             lambda a: a.decoder_first_pipeline_num_layers is not None
             or a.decoder_last_pipeline_num_layers is not None
             or a.account_for_embedding_in_pipeline_split or a.account_for_loss_in_pipeline_split,
-            X, R,
-            "balances rank 0 (embedding and LM head) by giving it fewer layers when --num-layers "
-            "is not a multiple of 2 x PP (the paper: num_layers = k x PP - 2): drop "
-            "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split",
-            UNEVEN_ZB1P),
+            R, R,
+            "V: first is stage 0, last stage 2 x PP - 1 (both on rank 0; 0 allowed), the other "
+            "stages share the rest evenly; --account-for-*: the embedding (loss) counts as a "
+            "layer of stage 0 (2 x PP - 1), num_layers + 1 (+ 1) a multiple of 2 x PP, as "
+            "megatron splits PP x VP stages. zb-1p: megatron's own 1F1B meaning",
+            LAYOUTS + " (v-zb with first/last 0 / 1, zb-1p with last 2 and with the loss "
+            "counted, v-half with the "
+            "embedding counted resuming 1f1b's checkpoint of another layout); " + UNEVEN_ZB1P),
     # -- model features ------------------------------------------------------------------------
     Setting("--mtp-num-layers, --mtp-loss-scaling-factor", ("mtp_num_layers",),
             lambda a: _on(a, "mtp_num_layers"), R, R,

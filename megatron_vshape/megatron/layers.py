@@ -1,8 +1,10 @@
 """Uneven layer counts on the V: which global layers each of the 2p stages holds.
 
-Rank 0 also runs the embedding (stage 0) and the final norm, LM head and loss (stage 2p-1), so
-a model whose layer count does not fill 2p equal stages gives the missing layers to rank 0's
-chunks first (then rank 1's, ...)::
+The counts come from Megatron-LM's layer-placing flags read on the V's stages
+(stage_layout.py: a layout, first/last stage layers, the embedding or loss counted as a
+layer). Without them: rank 0 also runs the embedding (stage 0) and the final norm, LM head
+and loss (stage 2p-1), so a model whose layer count does not fill 2p equal stages gives the
+missing layers to rank 0's chunks first (then rank 1's, ...)::
 
     p = 4, 14 layers:   stage  0  1  2  3  4  5  6  7
                         layers 1  2  2  2  2  2  2  1      (rank 0 holds stages 0 and 7)
@@ -136,10 +138,12 @@ def _importable(module_name: str):
         return None
 
 
-def with_stage_layers(config, ranks: int):
-    """A copy of ``config`` that places the V's (possibly uneven) stage layers."""
+def with_stage_layers(config, ranks: int, counts=None):
+    """A copy of ``config`` that places the V's stage layers: ``counts`` (one per V stage, from
+    stage_layout.py), else :func:`stage_layers`' even split."""
     import dataclasses
 
     copy = dataclasses.replace(config)
-    setattr(copy, _ATTR, stage_layers(config.num_layers, ranks))
+    setattr(copy, _ATTR, tuple(counts) if counts is not None
+            else stage_layers(config.num_layers, ranks))
     return copy

@@ -10,7 +10,9 @@ only code here that imports ``megatron.training``; the script calls it before pr
 
     validate_args (where it is called from: core_v0.16.1's initialize, 0.19's arguments)
               our checks first (every problem in one error naming its flags; the default
-              schedule filled in), then Megatron-LM's with the V's
+              schedule filled in); a V's stage layout read from megatron's layer-placing
+              flags (stage_layout.py) into args.vshape_stage_layers, the flags cleared;
+              then Megatron-LM's with the V's
               uneven layer count hidden from its "num_layers % PP" check; then two chunks per
               rank (virtual_pipeline_model_parallel_size = 2), and align_param_gather as the
               user set it (Megatron-LM clears it for what it takes for a one-chunk schedule,
@@ -47,6 +49,7 @@ from .checkpoints import checked_load_checkpoint
 from .install import ForwardBackwardGetter, OURS, VShapeConfig
 from ..schedule.names import V_SCHEDULES
 from .arguments import check_arguments, stand_in_notice, vshape_config
+from .stage_layout import LAYOUT_FLAGS, v_stage_layout
 
 __all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED",
            "refuse_yaml_config"]
@@ -180,6 +183,8 @@ def _validating(original):
     def validate_args(args, defaults={}):
         check_arguments(args)
         v = args.pipeline_schedule in V_SCHEDULES
+        if v:
+            _place_v_stages(args)
         layers, align = args.num_layers, getattr(args, "align_param_gather", None)
         if v and layers % args.pipeline_model_parallel_size:
             # Megatron-LM asks num_layers % PP == 0; the V places uneven counts itself
@@ -210,6 +215,22 @@ def _validating(original):
         return result
     validate_args.vshape_original = original
     return validate_args
+
+
+def _place_v_stages(args) -> None:
+    """A V's stage layout into ``args.vshape_stage_layers`` (the layers of each of the 2p
+    stages, which the V's model provider builds: stage_layout.py), and the flags that placed
+    them cleared: megatron's validate_args and TransformerConfig would read them in their
+    interleaved order (a layout's stage s on rank s % p, first/last stage layers split over
+    two chunks per rank), and Megatron-LM builds such configs from ``args`` again after
+    validation (0.19 pretrain_gpt.py, get_embedding_ranks)."""
+    layout = v_stage_layout(args)
+    for name in LAYOUT_FLAGS:
+        if hasattr(args, name):
+            setattr(args, name, False if name.startswith("account_for") else None)
+    args.vshape_stage_layers = layout.layers
+    log.info("[vshape] %s stage layout %s (layers per V stage: %s)", args.pipeline_schedule,
+             layout.megatron_layout(), ",".join(map(str, layout.layers)))
 
 
 def _delayed_wgrad_ddp_config(base):

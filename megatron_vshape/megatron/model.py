@@ -46,7 +46,8 @@ from typing import Any, Callable
 import torch
 
 from ..runtime.wgrad import WeightGradStore
-from .layers import patch_layer_placement, stage_layers, with_stage_layers
+from .layers import patch_layer_placement, with_stage_layers
+from .layers import stage_layers as stage_layers_of
 from .te_wgrad import with_te_delay_wgrad
 from .wgrad import defer_weight_grads
 
@@ -87,32 +88,40 @@ def v_embedding_ranks(pp_ranks, split_rank=None):
     return [pp_ranks[0]]
 
 
-def check_v_config(config, pp_size: int) -> None:
-    """Refuse settings the V cannot run, naming the setting and what to change."""
+def check_v_config(config, pp_size: int, stage_layers=None) -> None:
+    """Refuse settings the V cannot run, naming the setting and what to change.
+    ``stage_layers``: the layers of each V stage (stage_layout.py), None for an even split."""
     if pp_size < 2:
         raise ValueError("V schedules need pipeline_model_parallel_size >= 2 (got "
                          f"{pp_size}); with one stage use --pipeline-schedule 1f1b")
-    stage_layers(config.num_layers, pp_size)  # raises for too few layers
+    if stage_layers is None:
+        stage_layers_of(config.num_layers, pp_size)  # raises for too few layers
+    elif len(stage_layers) != 2 * pp_size or sum(stage_layers) != config.num_layers:
+        raise ValueError(f"stage_layers {tuple(stage_layers)} must give the V's 2 x {pp_size} "
+                         f"stages num_layers={config.num_layers} layers in all")
     if getattr(config, "pipeline_model_parallel_layout", None):
-        raise ValueError("pipeline_model_parallel_layout cannot express a V (stage s lives on "
-                         "rank s % p there); leave it unset: the V places uneven layer counts "
-                         "itself (the missing layers come from rank 0's chunks)")
-    if config.num_layers_in_first_pipeline_stage or config.num_layers_in_last_pipeline_stage:
-        raise ValueError("num_layers_in_first/last_pipeline_stage do not apply to a V schedule; "
-                         "leave them unset: with num_layers not a multiple of 2 x pipeline size, "
-                         "rank 0's chunks (embedding and LM head) get fewer layers")
+        raise ValueError("pipeline_model_parallel_layout places stage s on rank s % p; for a V "
+                         "leave it unset and pass stage_layers (the layers of each V stage: "
+                         "stage_layout.v_stage_layout reads Megatron-LM's layout in V order)")
+    if config.num_layers_in_first_pipeline_stage or config.num_layers_in_last_pipeline_stage \
+            or getattr(config, "account_for_embedding_in_pipeline_split", False) \
+            or getattr(config, "account_for_loss_in_pipeline_split", False):
+        raise ValueError("num_layers_in_first/last_pipeline_stage and account_for_embedding/"
+                         "loss_in_pipeline_split split megatron's interleaved stages; for a V "
+                         "leave them unset and pass stage_layers (stage_layout.v_stage_layout "
+                         "reads Megatron-LM's flags on the V's stages)")
 
 
-def v_chunk_config(config, pp_size: int, te_delay_wgrad: bool = False):
+def v_chunk_config(config, pp_size: int, te_delay_wgrad: bool = False, stage_layers=None):
     """A copy of ``config`` for building V chunks (``config`` itself is not modified): two chunks
     per rank (virtual_pipeline_model_parallel_size = 2, which megatron needs to place them),
-    the V's stage layer counts (layers.py: uneven ones, and the V's stage for callers that ask
-    parallel_state, as Megatron-LM's MoE layer specs do), TE's delayed weight gradients if
-    asked."""
-    check_v_config(config, pp_size)
+    the V's stage layer counts (``stage_layers``, one per V stage, else layers.py's even split
+    with the shortfall on rank 0; and the V's stage for callers that ask parallel_state, as
+    Megatron-LM's MoE layer specs do), TE's delayed weight gradients if asked."""
+    check_v_config(config, pp_size, stage_layers)
     config = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
     patch_layer_placement()
-    config = with_stage_layers(config, pp_size)
+    config = with_stage_layers(config, pp_size, stage_layers)
     if te_delay_wgrad:
         config = with_te_delay_wgrad(config)
     return config
@@ -187,8 +196,8 @@ def finish_v_chunks(chunk0, chunk1, defer_wgrad: bool = True, ddp_delay_wgrad: b
 
 def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_group,
                    pg_collection=None, defer_wgrad: bool = True,
-                   ddp_delay_wgrad: bool = False, te_delay_wgrad: bool = False
-                   ) -> list[torch.nn.Module]:
+                   ddp_delay_wgrad: bool = False, te_delay_wgrad: bool = False,
+                   stage_layers=None) -> list[torch.nn.Module]:
     """Build this rank's two V chunks with ``model_provider(config=, pre_process=,
     post_process=, vp_stage=, pg_collection=)`` (e.g. a ``functools.partial`` of GPTModel).
 
@@ -196,8 +205,10 @@ def build_v_chunks(model_provider: Callable[..., torch.nn.Module], config, pp_gr
     parallel linears compute weight gradients in W (:mod:`.wgrad`); set ``ddp_delay_wgrad``
     when the chunks will be wrapped in DDP with delay_wgrad_compute=True. With a Transformer
     Engine layer spec (GPU) set ``te_delay_wgrad``: TE's own split (``backward_dw``) runs in W.
+    ``stage_layers``: the layers of each of the 2p V stages (stage_layout.py), None for the
+    even split.
     """
-    config = v_chunk_config(config, pp_group.size(), te_delay_wgrad)
+    config = v_chunk_config(config, pp_group.size(), te_delay_wgrad, stage_layers)
     chunks = [build_v_chunk(model_provider, config, v, pg_collection) for v in (0, 1)]
     finish_v_chunks(*chunks, defer_wgrad=defer_wgrad, ddp_delay_wgrad=ddp_delay_wgrad)
     return chunks

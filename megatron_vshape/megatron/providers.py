@@ -24,13 +24,17 @@ class VChunkProvider:
 
     ``base(pre_process=, post_process=, vp_stage=, config=, pg_collection=)`` builds one GPT
     chunk (Megatron-LM's ``partial(model_provider, gpt_builder)``); ``config_factory()`` gives
-    the TransformerConfig (``core_transformer_config_from_args(get_args())``).
+    the TransformerConfig (``core_transformer_config_from_args(get_args())``);
+    ``stage_layers`` the layers of each V stage (``args.vshape_stage_layers``: stage_layout.py),
+    None for the even split.
     """
 
-    def __init__(self, base: Callable, config_factory: Callable, te_delay_wgrad: bool = False):
+    def __init__(self, base: Callable, config_factory: Callable, te_delay_wgrad: bool = False,
+                 stage_layers=None):
         self.base = base
         self.config_factory = config_factory
         self.te_delay_wgrad = te_delay_wgrad
+        self.stage_layers = stage_layers
         self._chunk0 = None
 
     def __call__(self, pre_process=True, post_process=True, vp_stage=None, config=None,
@@ -44,14 +48,13 @@ class VChunkProvider:
                              "virtual_pipeline_model_parallel_size = 2 (patch_megatron_lm)")
         pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
         config = v_chunk_config(config or self.config_factory(), pg.pp.size(),
-                                self.te_delay_wgrad)
+                                self.te_delay_wgrad, self.stage_layers)
         chunk = build_v_chunk(self._base_provider, config, vp_stage, pg)
         if vp_stage == 0:
             self._chunk0 = chunk
         else:
             finish_v_chunks(self._chunk0, chunk, ddp_delay_wgrad=True)
-            for built in (self._chunk0, chunk):
-                check_weight_grads_split(built, "v-min/v-half/v-zb/auto")
+            check_weight_grads_split(self._chunk0, "v-min/v-half/v-zb/auto", also=(chunk,))
             self._chunk0 = None
         return chunk
 
@@ -82,14 +85,19 @@ def deferred_standard_provider(base: Callable, config_factory: Callable | None =
     return provider
 
 
-def check_weight_grads_split(chunk, schedule: str) -> None:
-    """Refuse a model chunk whose W passes would do nothing (no layer splits its weight
-    gradient off B: the schedule would run with 1F1B's bubble, silently), and warn about
-    weights whose gradients stay in B (layer types neither split covers)."""
+def check_weight_grads_split(chunk, schedule: str, also=()) -> None:
+    """Refuse a rank whose W passes would do nothing (no layer of ``chunk`` and the chunks in
+    ``also``, the rank's other V chunk, splits its weight gradient off B: the schedule would
+    run with 1F1B's bubble, silently), and warn about weights whose gradients stay in B (layer
+    types neither split covers). A V chunk may hold no transformer layer (a stage layout's
+    end stage with the embedding or the loss alone: stage_layout.py); its rank's other may
+    not."""
     from .te_wgrad import te_wgrad_modules
 
-    te = te_wgrad_modules(chunk)
-    split = sum(bool(getattr(p, "skip_backward_post_hook", False)) for p in chunk.parameters())
+    chunks = (chunk, *also)
+    te = [module for c in chunks for module in te_wgrad_modules(c)]
+    split = sum(bool(getattr(p, "skip_backward_post_hook", False))
+                for c in chunks for p in c.parameters())
     if not split and not te:
         raise ValueError(
             f"--pipeline-schedule {schedule} computes weight gradients in W passes, but no layer "
@@ -97,7 +105,7 @@ def check_weight_grads_split(chunk, schedule: str) -> None:
             "Linear of --transformer-impl local, and Transformer Engine linears built with "
             "delay_wgrad_compute): use megatron's GPT layer specs with --transformer-impl "
             "local or transformer_engine, or --pipeline-schedule 1f1b")
-    kept = weights_kept_in_b(chunk, te)
+    kept = set().union(*(weights_kept_in_b(c, te) for c in chunks))
     if kept:
         log.warning("[vshape] %s: these layers compute their weight gradients in B, not W "
                     "(neither the local split nor TE's covers them): %s", schedule,

@@ -6,7 +6,8 @@ iterations run a provisional schedule while every pass is timed (runtime/profile
 bytes kept for backward are tracked: around every F and B, so the share of a chunk's
 activations that B leaves for W is measured (the memory model, runtime/memory.py
 ``backward_leftover``), and for a limit in bytes the peak; then every rank agrees on one set of
-costs, one memory model and one bytes-per-unit figure, and the schedule is searched again from
+per-stage costs (each chunk's F, B and W apart: rank 0's chunk 1 holds the LM head and the loss),
+one memory model and one bytes-per-unit figure, and the schedule is searched again from
 them::
 
     iteration   0 .. after-1                 after ...
@@ -92,16 +93,19 @@ class Replanner:
 
     def measured(self, profile: PassProfile, schedule: Schedule, rank: int, pp_group, groups,
                  spec) -> Costs:
-        """Agree on costs (and bytes per unit) over every rank (collective over the world)."""
-        local = profile.gather_costs(schedule.placement, rank, group=pp_group)
+        """Agree on per-stage costs (and bytes per unit) over every rank (collective over the
+        world): each stage's F, B and W apart, so rank 0's chunk 1 (LM head and loss) keeps
+        its own weight in the search."""
+        placement = schedule.placement
+        local = profile.gather_costs(placement, rank, group=pp_group).stage_times(placement)
         comm = measure_hop_latency(groups, spec.shape, spec.dtype, spec.wire_device)
         device = spec.wire_device  # gloo with CUDA ranks (one shared GPU): reduce on the host
-        values = torch.tensor(local.forward + local.backward + local.weight, dtype=torch.float64,
+        values = torch.tensor([t[k] for k in range(3) for t in local], dtype=torch.float64,
                               device=device)
         dist.all_reduce(values)
         values /= dist.get_world_size()  # every rank holds its pipeline's costs: the mean
-        p = schedule.ranks
-        f, b, w = (values[i * p:(i + 1) * p].tolist() for i in range(3))
+        s = placement.num_stages
+        f, b, w = (values[i * s:(i + 1) * s].tolist() for i in range(3))
         if self._peaks:
             per_unit = max(peak / units for peak, units in self._peaks if units > 0)
             top = torch.tensor([per_unit], dtype=torch.float64, device=device)
@@ -109,7 +113,7 @@ class Replanner:
             self.activation_bytes = float(top[0])
         self.memory = self._agreed_memory(device)
         self.done = True
-        return Costs.build(p, f, b, w, comm=comm)
+        return Costs.for_stages(placement, f, b, w, comm=comm)
 
     def _agreed_memory(self, device) -> MemoryModel | None:
         """The memory model every rank uses: the largest leftover any rank measured (what

@@ -232,7 +232,7 @@ class PipelineRunner:
         overshoot from adding up.
         """
         begin = max(state.device_free, state.data_ready)
-        end = begin + self._sleep[action.kind]
+        end = begin + self._sleep[self.schedule.placement.locate(action.stage)[1]][action.kind]
         now = time.perf_counter()
         if end > now:
             time.sleep(end - now)

@@ -2,10 +2,11 @@
 
 The adaptive scheduler (schedule/search/adaptive.py) plans from costs; this turns the interpreter's
 timelines (``StepResult.timeline``: every compute pass's start and end) into those costs:
-the median duration of each pass kind per stage over the profiled steps, summed over a rank's
-chunks into the per-rank-share costs the simulator takes. T_comm is a ping-pong over one of the
-rank's streams. On GPUs, run the profiled steps with ``RunnerConfig(synchronize=True)`` so
-host timestamps bracket the kernels.
+the median duration of each pass kind per stage over the profiled steps, kept per stage
+(``Costs.for_stages``): under a V rank 0's chunk 1 also runs the LM head and the loss, with
+today's vocabularies several layers' worth, so its chunks are not halves of one share. T_comm
+is a ping-pong over one of the rank's streams. On GPUs, run the profiled steps with
+``RunnerConfig(synchronize=True)`` so host timestamps bracket the kernels.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..schedule.model.costs import Costs
 from ..schedule.model.placement import Placement
 from .streams import StreamGroups
 
-__all__ = ["PassProfile", "measure_hop_latency"]
+__all__ = ["PassProfile", "stage_costs_of", "measure_hop_latency"]
 
 
 class PassProfile:
@@ -48,28 +49,51 @@ class PassProfile:
             out[stage][kind.value] = statistics.median(values)
         return dict(out)
 
-    def rank_costs(self) -> tuple[float, float, float]:
-        """(F, B, W) of this rank's whole layer share: its stages' medians summed."""
+    def measured_stages(self) -> dict[int, tuple[float, float, float]]:
+        """{stage: (F, B, W)}: median seconds of each of this rank's stages; ValueError when
+        a stage lacks a kind (a schedule that fuses B and W cannot be profiled)."""
         stages = self.stage_costs()
-        missing = [s for s, c in stages.items() if set(c) != {"F", "B", "W"}]
+        missing = sorted(s for s, c in stages.items() if set(c) != {"F", "B", "W"})
         if not stages or missing:
             raise ValueError("profile needs F, B and W passes on every stage (a schedule with a "
                              f"B/W split, e.g. v-half, not 1f1b); incomplete stages: {missing}")
-        return tuple(sum(c[k] for c in stages.values()) for k in ("F", "B", "W"))
+        return {s: (c["F"], c["B"], c["W"]) for s, c in stages.items()}
+
+    def rank_costs(self) -> tuple[float, float, float]:
+        """(F, B, W) of this rank's whole layer share: its stages' medians summed."""
+        stages = self.measured_stages().values()
+        return tuple(sum(c[k] for c in stages) for k in range(3))
 
     def gather_costs(self, placement: Placement, pipeline_rank: int, comm: float = 0.0,
                      group=None) -> Costs:
-        """Every pipeline rank's costs as one :class:`Costs` (collective over ``group``, the
+        """Every pipeline stage's costs as one :class:`Costs` (collective over ``group``, the
         pipeline's ranks; default the world)."""
-        mine = self.rank_costs()
+        mine = self.measured_stages()
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (pipeline_rank, mine), group=group)
         by_rank = dict(gathered)
         if sorted(by_rank) != list(range(placement.ranks)):
             raise ValueError(f"expected costs from pipeline ranks 0..{placement.ranks - 1}, got "
                              f"{sorted(by_rank)}; pass the pipeline group")
-        f, b, w = zip(*(by_rank[r] for r in range(placement.ranks)))
-        return Costs.build(placement.ranks, list(f), list(b), list(w), comm=comm)
+        return stage_costs_of(placement, by_rank, comm)
+
+
+def stage_costs_of(placement: Placement, by_rank: dict, comm: float = 0.0) -> Costs:
+    """Per-stage :class:`Costs` from each pipeline rank's ``measured_stages()`` (``by_rank``:
+    {rank: {stage: (F, B, W)}}); ValueError when a stage was measured on no rank or on the
+    wrong one."""
+    times: dict[int, tuple] = {}
+    for rank, stages in by_rank.items():
+        for stage, fbw in stages.items():
+            if not 0 <= stage < placement.num_stages or placement.rank_of(stage) != rank:
+                raise ValueError(f"pipeline rank {rank} measured stage {stage}, which the "
+                                 f"{placement.layout.value} layout does not place on it")
+            times[stage] = fbw
+    missing = sorted(set(range(placement.num_stages)) - set(times))
+    if missing:
+        raise ValueError(f"no pipeline rank measured stages {missing}")
+    f, b, w = zip(*(times[s] for s in range(placement.num_stages)))
+    return Costs.for_stages(placement, f, b, w, comm=comm)
 
 
 def measure_hop_latency(groups: StreamGroups, shape: tuple, dtype=torch.float32,

@@ -20,20 +20,22 @@ three, registry all of them.
 from .construct.blocks import BlockFamily, BuildingBlock
 from .construct.compose import compose, repeat
 from .model.actions import Action, PassKind, ScheduleError, parse_action
-from .model.costs import Costs, MemoryModel, parse_costs, parse_memory_model
+from .model.costs import Costs, MemoryModel, PassTimes, parse_costs, parse_memory_model
 from .model.limits import memory_limit_units
 from .model.lower import lower
 from .model.placement import Layout, Placement
 from .model.problem import Problem
 from .model.schedule import Schedule
 from .model.simulate import SimResult, simulate
+from .model.stage_costs import parse_stage_costs
 from .model.validate import ValidationError, validate
 from .registry import SCHEDULES, VARIANTS, build_schedule
 from .search.adaptive import InfeasibleMemoryError, SearchResult, frontier, search
 
 __all__ = [
     "Action", "PassKind", "ScheduleError", "parse_action", "BuildingBlock", "BlockFamily",
-    "compose", "repeat", "Costs", "MemoryModel", "parse_costs", "parse_memory_model", "lower", "Layout", "Placement",
+    "compose", "repeat", "Costs", "MemoryModel", "PassTimes", "parse_costs", "parse_stage_costs",
+    "parse_memory_model", "lower", "Layout", "Placement",
     "Problem", "SCHEDULES", "VARIANTS", "build_schedule", "Schedule", "SimResult", "simulate", "ValidationError",
     "validate", "InfeasibleMemoryError", "SearchResult", "frontier", "memory_limit_units", "search",
 ]

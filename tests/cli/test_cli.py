@@ -395,3 +395,63 @@ def test_slurm_readme_explains_every_network_variable_of_the_launcher():
     readme = (SLURM / "README.md").read_text()
     assert "## NCCL and network" in readme
     assert not [v for v in named if f"`{v}`" not in readme]
+
+
+# -- per-stage costs ---------------------------------------------------------------------------
+HEAVY_HEAD = "1,1,1/1,1,1/1,1,1/2,2,2"
+"""p = 2 under a V: stage 3 (rank 0's chunk 1, the LM head and loss) twice as heavy."""
+
+
+def test_stage_costs_inline_and_file_time_the_heavy_stage(tmp_path, capsys):
+    argv = ["simulate", "--schedule", "v-half", "-p", "2", "-m", "4", "--json"]
+    assert main(argv + ["--costs", "3,3,3"]) == 0  # rank 0's work spread evenly over its chunks
+    even = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--stage-costs", HEAVY_HEAD]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    assert staged["costs"][4] == [[1, 1, 1], [1, 1, 1], [1, 1, 1], [2, 2, 2]]
+    assert staged["costs"][:4] == [[3.0, 2.0], [3.0, 2.0], [3.0, 2.0], 0.0]
+    assert staged["makespan"] != even["makespan"]
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps({"forward": [1, 1, 1, 2], "backward": [1, 1, 1, 2],
+                                "weight": [1, 1, 1, 2]}))
+    assert main(argv + ["--stage-costs", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out) == staged
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("1,1,1/1,1,1/2,2,2", "gives 3 stages, the schedule has 4 (2 ranks x 2 chunks, v layout)"),
+    ("1,1,1/1,1,1/1,1,1/0,2,2", "every forward (F) time must be a positive number"),
+    ("nothere.json", "cannot read the file"),
+])
+def test_bad_stage_costs_are_one_line_naming_the_option_and_forms(spec, said, capsys,
+                                                                   monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("built a schedule from bad costs")
+
+    monkeypatch.setattr("megatron_vshape.cli.schedules.build_schedule", no_work)
+    assert main(["simulate", "--schedule", "v-half", "-p", "2", "-m", "4",
+                 "--stage-costs", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vshape: error: --stage-costs {spec!r}: ") and said in err, err
+    assert "valid forms: F,B,W/F,B,W/..." in err and "FILE.json" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_stage_costs_and_costs_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--schedule", "v-half", "-p", "2", "-m", "4", "--costs", "1,1,1",
+              "--stage-costs", HEAVY_HEAD])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_compare_with_stage_costs_keeps_the_schedules_that_can_read_them(capsys):
+    """2p stages: every schedule (1F1B's stage k sums stages 2k and 2k + 1); p stages: only
+    the one-chunk schedules, the others named as skipped."""
+    assert main(["compare", "-p", "2", "-m", "4", "--json", "--stage-costs", HEAVY_HEAD]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["schedule"] for line in out.splitlines()] == list(SCHEDULES)
+    assert err == ""
+    assert main(["compare", "-p", "2", "-m", "4", "--json", "--stage-costs", "2,2,2/3,3,3"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["schedule"] for line in out.splitlines()] == ["1f1b", "zb-1p"]
+    assert "skipping interleaved-1f1b, v-min, v-half, v-zb, auto" in err

@@ -64,10 +64,10 @@ def test_unknown_schedule_fails_in_argparse_with_the_choices(capsys):
      "--num-layers must be >= 2 x --pipeline-model-parallel-size"),
     (["--pipeline-schedule", "v-zb"], {"num_virtual_stages_per_pipeline_rank": 2},
      "drop --num-layers-per-virtual-pipeline-stage"),
-    (["--pipeline-schedule", "v-half"], {"pipeline_model_parallel_layout": "Et|tL"},
-     "stage s lives on rank s % p"),
+    (["--pipeline-schedule", "v-half"], {"pipeline_model_parallel_layout": "Et|tt|tt|ttL"},
+     "write 2 x PP stages separated by '|' (a layout of PP stages is 1F1B's"),
     (["--pipeline-schedule", "v-half"], {"account_for_loss_in_pipeline_split": True},
-     "num_layers = k x PP - 2"),
+     "must be a multiple of the V's 2 x PP = 8 stages"),
     (["--pipeline-schedule", "v-half"], {"context_parallel_size": 4, "cp_comm_type": ["a2a+p2p"],
                                          "hierarchical_context_parallel_sizes": [2, 2]},
      "use --cp-comm-type p2p, a2a or all_gather"),
@@ -360,3 +360,154 @@ def test_inter_document_masking_is_refused_under_a_v():
                               dataloader_inter_document_masking=True))
     check_arguments(_args(["--pipeline-schedule", "zb-1p"],
                           dataloader_inter_document_masking=True))
+
+
+# -- Megatron-LM's layer-placing flags on the V's stages (stage_layout.py) -----------------------
+V_AND_ZB = ["v-min", "v-half", "v-zb", "auto", "zb-1p"]
+ACCEPTED_PLACEMENTS = [
+    # PP 2, 7 layers: (flags, the V's stages, megatron's 1F1B stages (zb-1p) or None)
+    ({"pipeline_model_parallel_layout": "Et|ttt|ttt|L"}, (1, 3, 3, 0), None),
+    ({"pipeline_model_parallel_layout": "E|tt|ttt|ttL"}, (0, 2, 3, 2), None),
+    ({"pipeline_model_parallel_layout": "Et*2|t*3|(t|)*1tL"}, (2, 3, 1, 1), None),
+    ({"pipeline_model_parallel_layout": "Ett|tttttL"}, None, (2, 5)),
+    ({"decoder_first_pipeline_num_layers": 0, "decoder_last_pipeline_num_layers": 1},
+     (0, 3, 3, 1), (0, 1)),
+    ({"decoder_first_pipeline_num_layers": 1}, (1, 2, 2, 2), (1, 6)),
+    ({"decoder_last_pipeline_num_layers": 4}, (1, 1, 1, 4), (3, 4)),
+    ({"account_for_embedding_in_pipeline_split": True}, (1, 2, 2, 2), (3, 4)),
+    ({"account_for_loss_in_pipeline_split": True}, (2, 2, 2, 1), (4, 3)),
+]
+"""zb-1p keeps megatron's own 1F1B meaning (Megatron-LM's validate_args and TransformerConfig
+check them there, e.g. first = 0 is refused by megatron itself); the V reads them on its 2 x PP
+stages."""
+
+
+def _placed(schedule, flags, **megatron):
+    fields = dict(pipeline_model_parallel_size=2, num_layers=7)
+    fields.update(flags)
+    fields.update(megatron)
+    return _args(["--pipeline-schedule", schedule], **fields)
+
+
+@pytest.mark.parametrize("schedule", V_AND_ZB)
+@pytest.mark.parametrize("flags,v_stages,single", ACCEPTED_PLACEMENTS)
+def test_layer_placing_flags_are_accepted(schedule, flags, v_stages, single):
+    from megatron_vshape.megatron.stage_layout import v_stage_layout
+
+    wanted = single if schedule == "zb-1p" else v_stages
+    if wanted is None:
+        with pytest.raises(ValueError, match="2 x PP stages|virtual pipeline"):
+            check_arguments(_placed(schedule, flags))
+        return
+    args = _placed(schedule, flags)
+    check_arguments(args)
+    if schedule != "zb-1p":
+        layout = v_stage_layout(args)
+        assert layout.layers == v_stages and sum(v_stages) == 7
+        assert layout.stages[0].embedding and layout.stages[-1].loss
+
+
+@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto"])
+@pytest.mark.parametrize("flags,needle", [
+    ({"pipeline_model_parallel_layout": "Ettt|ttttL"},
+     "write 2 x PP stages separated by '|'"),
+    ({"pipeline_model_parallel_layout": "Et|t|t|t|t|tL"}, "write 2 x PP stages"),
+    ({"pipeline_model_parallel_layout": "|Ett|tttt|tL"},
+     "the embedding is in stage 0 and the loss in stage 2p-1 = 3"),
+    ({"pipeline_model_parallel_layout": "Et|ttttt||tL"},
+     "V stages [2] hold no transformer layer"),
+    ({"pipeline_model_parallel_layout": "E|tttt|ttt|L"},
+     "rank 0 (stages 0 and 3) holds no transformer layer"),
+    ({"pipeline_model_parallel_layout": "Et|ttt|tt|L"}, "must match num_layers 7"),
+    ({"pipeline_model_parallel_layout": "Et|tt|ttt|tL", "decoder_first_pipeline_num_layers": 1},
+     "drop --decoder-first-pipeline-num-layers"),
+    ({"pipeline_model_parallel_layout": "Et|tt|ttt|tL",
+      "account_for_loss_in_pipeline_split": True},
+     "drop --account-for-loss-in-pipeline-split"),
+    ({"decoder_first_pipeline_num_layers": 2},
+     "num_layers - first - last is a positive multiple of 3"),
+    ({"decoder_first_pipeline_num_layers": 0, "decoder_last_pipeline_num_layers": 0,
+      "num_layers": 8}, "rank 0 (stages 0 and 3) holds no transformer layer"),
+    ({"decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 5},
+     "at least one each"),
+    ({"decoder_last_pipeline_num_layers": -1}, "must be >= 0"),
+    ({"decoder_first_pipeline_num_layers": 1, "account_for_loss_in_pipeline_split": True},
+     "place layers two ways: use one of them"),
+    ({"account_for_embedding_in_pipeline_split": True,
+      "account_for_loss_in_pipeline_split": True}, "use --num-layers 10"),
+    ({"pipeline_model_parallel_layout": "Et|ttt|tt|tL", "num_virtual_stages_per_pipeline_rank": 2},
+     "drop --num-layers-per-virtual-pipeline-stage"),
+])
+def test_layer_placing_flags_a_v_cannot_run_are_refused(schedule, flags, needle):
+    """Each refusal names the flag and what to write instead."""
+    with pytest.raises(ValueError) as err:
+        check_arguments(_placed(schedule, flags))
+    message = str(err.value)
+    assert needle in message, message
+    assert f"--pipeline-schedule {schedule}" in message
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-1p", "v-half"])
+def test_a_layout_megatron_cannot_parse_is_a_clear_error(schedule):
+    """megatron-core's parser's assertion, as an error naming the flag (under its own
+    schedules too: the checks count the layout's stages first)."""
+    with pytest.raises(ValueError, match=r"--pipeline-model-parallel-layout 'Et\|ttx\|ttt\|tL': "
+                                         "Invalid layer character: x"):
+        check_arguments(_placed(schedule, {"pipeline_model_parallel_layout": "Et|ttx|ttt|tL"}))
+
+
+def test_multi_token_prediction_sits_in_the_last_v_stage():
+    """MTP in a layout: stage 2p-1 only (rank 0's chunk 1, beside the loss), as megatron's own
+    parser counts it against --mtp-num-layers."""
+    from megatron_vshape.megatron.stage_layout import v_stage_layout
+
+    args = _placed("v-half", {"pipeline_model_parallel_layout": "Et|ttt|tt|tmL"},
+                   mtp_num_layers=1)
+    check_arguments(args)
+    layout = v_stage_layout(args)
+    assert layout.stages[-1].mtp == 1 and layout.megatron_layout() == "Et|ttt|tt|tmL"
+    for bad, needle in (("Et|ttt|tmt|tL", "decoder layers must be placed before MTP"),
+                        ("Et|ttt|tttm|L", "multi-token prediction sits in stage 2p-1")):
+        with pytest.raises(ValueError, match=needle):
+            check_arguments(_placed("v-half", {"pipeline_model_parallel_layout": bad},
+                                    mtp_num_layers=1))
+    with pytest.raises(ValueError, match="mtp"):
+        check_arguments(_placed("v-half", {"pipeline_model_parallel_layout": "Et|ttt|tt|tL"},
+                                mtp_num_layers=1))
+
+
+def test_the_deepseek_v3_proxy_recipes_layout_places_a_v():
+    """NVIDIA's DeepSeek-V3 proxy recipe (tests/data/recipes/): 8 stages on PP 4 is megatron's
+    interleaved placement, and under a V the same string reads in V order, MTP beside the loss
+    on rank 0 (its flex dispatcher stays refused: test_megatron_lm_recipes.py)."""
+    from megatron_vshape.megatron.stage_layout import v_stage_layout
+
+    args = _args(["--pipeline-schedule", "v-half"], num_layers=14, mtp_num_layers=1,
+                 pipeline_model_parallel_layout="Et*2|(tt|)*5t|tmL")
+    check_arguments(args)
+    layout = v_stage_layout(args)
+    assert layout.layers == (2, 2, 2, 2, 2, 2, 1, 1) and layout.stages[-1].mtp == 1
+    assert layout.rank_layers(0) == 3 and layout.rank_layers(1) == 3
+
+
+def test_the_default_split_is_unchanged_without_the_flags():
+    """No layer-placing flag: schedule.placement's even split (rank 0's chunks give up the
+    missing layers first), and --num-layers < 2 x PP stays refused only then."""
+    from megatron_vshape.megatron.stage_layout import v_stage_layout
+
+    assert v_stage_layout(_placed("v-half", {})).layers == (1, 2, 2, 2)
+    with pytest.raises(ValueError, match="--num-layers must be >= 2 x"):
+        check_arguments(_placed("v-half", {}, num_layers=3))
+    check_arguments(_placed("v-half", {"pipeline_model_parallel_layout": "E|t|t|tL"},
+                            num_layers=3))
+
+
+@pytest.mark.parametrize("flags", [flags for flags, stages, _ in ACCEPTED_PLACEMENTS if stages])
+def test_a_v_layout_prints_as_the_layout_flag_that_gives_it_back(flags):
+    """megatron_layout() (what the planner prints for a V) parses back to the same stages."""
+    from megatron_vshape.megatron.stage_layout import v_stage_layout
+
+    layout = v_stage_layout(_placed("v-half", flags))
+    again = v_stage_layout(_placed("v-half", {
+        "pipeline_model_parallel_layout": layout.megatron_layout()}))
+    assert again == layout

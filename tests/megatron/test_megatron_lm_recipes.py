@@ -136,7 +136,7 @@ stages: 1F1B."""
 
 # -- what stays refused --------------------------------------------------------------------------
 FLEX = "--moe-token-dispatcher-type flex"
-LAYOUT = "--pipeline-model-parallel-layout"
+LAYOUT_STAGES = "--pipeline-model-parallel-layout of other than 2 x PP stages"
 VPP_FLAGS = "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank"
 VIRTUAL = ("virtual pipelining (more than one stage per rank, or a layout of more than PP "
            "stages)")
@@ -146,8 +146,8 @@ TP_OVERLAP = "--tp-comm-overlap"
 FSDP = "--use-torch-fsdp2, --use-megatron-fsdp"
 MODELOPT = "nvidia-modelopt: a ModelOpt checkpoint, --export-kd-teacher-load (distillation)"
 
-STAYS_REFUSED = (FLEX, LAYOUT, VPP_FLAGS, VIRTUAL, FP8_PARAMS, FP8_GROUPED, TP_OVERLAP, FSDP,
-                 MODELOPT)
+STAYS_REFUSED = (FLEX, LAYOUT_STAGES, VPP_FLAGS, VIRTUAL, FP8_PARAMS, FP8_GROUPED, TP_OVERLAP,
+                 FSDP, MODELOPT)
 """features.py's refused rows (by their ``flags``) that NVIDIA's recipes use; why each stays
 refused is the row's own ``why`` (``vshape features --refused``), printed with the counts. A
 recipe refused for any other row fails the test, and so does a row here that a recipe uses
@@ -156,14 +156,14 @@ without being refused for it (lifted: remove it here, and update :data:`COUNTS`)
 COUNTS = {
     "0.16": {"recipes": 19, "reached": 19, "stock": 18, "1f1b": 13, "zb-1p": 7, "v-min": 7,
              "v-half": 7, "v-zb": 7, "auto": 7,
-             "refused under V": {FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
+             "refused under V": {FLEX: 4, LAYOUT_STAGES: 2, VPP_FLAGS: 3,
                                  FP8_PARAMS: 3, FP8_GROUPED: 1, TP_OVERLAP: 2, FSDP: 1,
                                  MODELOPT: 1},
              "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8_PARAMS: 3, FP8_GROUPED: 1,
                                      TP_OVERLAP: 2, FSDP: 1, MODELOPT: 1}},
     "0.19": {"recipes": 19, "reached": 16, "stock": 15, "1f1b": 10, "zb-1p": 6, "v-min": 6,
              "v-half": 6, "v-zb": 6, "auto": 6,
-             "refused under V": {FLEX: 4, LAYOUT: 4, VPP_FLAGS: 3,
+             "refused under V": {FLEX: 4, LAYOUT_STAGES: 2, VPP_FLAGS: 3,
                                  FP8_PARAMS: 2, TP_OVERLAP: 2, FSDP: 1},
              "refused under zb-1p": {VIRTUAL: 5, FLEX: 4, FP8_PARAMS: 2,
                                      TP_OVERLAP: 2, FSDP: 1}},
@@ -459,7 +459,9 @@ def test_one_error_lists_every_refused_setting_a_recipe_uses(parsed):
             if rows:
                 assert problem_count(run["message"]) == len(rows), (recipe.name, run)
     deepseek = parsed["by_name"]["deepseekv3_proxy_flex_tp1pp4emp16etp1cp1_release"]
-    assert set(_refusals(deepseek, "v-half")) == {LAYOUT, FLEX}
+    assert set(_refusals(deepseek, "v-half")) == {FLEX}  # its layout: 2 x PP stages, V order
+    gb200 = parsed["by_name"]["deepseekv3_proxy_flex_tp2pp2emp16etp1cp1_gb_200_release"]
+    assert set(_refusals(gb200, "v-half")) == {LAYOUT_STAGES, FLEX}  # PP stages: 1F1B's
     assert set(_refusals(deepseek, "zb-1p")) == {VIRTUAL, FLEX}
 
 

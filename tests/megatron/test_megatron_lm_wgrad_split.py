@@ -83,6 +83,8 @@ def test_v_chunk_configs_keep_the_v_layers_with_te_delayed_weight_grads():
     assert built.delay_wgrad_compute and not config.delay_wgrad_compute
     assert built.vshape_stage_layers == stage_layers(8, 2)
     assert not hasattr(config, "vshape_stage_layers")
+    laid_out = v_chunk_config(config, 2, te_delay_wgrad=True, stage_layers=(1, 4, 3, 0))
+    assert laid_out.vshape_stage_layers == (1, 4, 3, 0) and laid_out.delay_wgrad_compute
 
 
 def test_zb1p_w_pass_calls_transformer_engines_backward_dw():

@@ -71,6 +71,13 @@ def test_bad_settings_name_the_setting_and_the_choices():
     config.num_layers, config.pipeline_model_parallel_layout = 8, "Et|tL"
     with pytest.raises(ValueError, match="pipeline_model_parallel_layout"):
         check_v_config(config, 4)
+    config.pipeline_model_parallel_layout = None
+    check_v_config(config, 4, stage_layers=(0, 2, 1, 1, 1, 1, 1, 1))  # stage_layout.py's
+    with pytest.raises(ValueError, match="must give the V's 2 x 4 stages num_layers=8"):
+        check_v_config(config, 4, stage_layers=(1,) * 7)
+    config.num_layers_in_first_pipeline_stage = 1
+    with pytest.raises(ValueError, match="pass stage_layers"):
+        check_v_config(config, 4)
 
 
 def test_forward_backward_checks_chunks_and_microbatches_before_work():

@@ -40,7 +40,8 @@ def _reference(schedule, costs, memory, cap, line):
     timing = simulate(schedule, costs)
 
     def took(action):
-        return durations[schedule.placement.locate(action.stage)[0]][action.kind]
+        rank, chunk = schedule.placement.locate(action.stage)
+        return durations[rank][chunk][action.kind]
 
     def hop(action, dep):
         same = schedule.placement.locate(action.stage)[0] == schedule.placement.locate(dep.stage)[0]

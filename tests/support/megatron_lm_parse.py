@@ -19,7 +19,8 @@ Protocol (``python -m support.megatron_lm_parse``): one JSON request on stdin::
 WORLD_SIZE (rank 0 is emulated); ``droppable``: options that may be unknown to this training
 code (dropped with their values if the parser does not know them; any other word the parser
 does not know then stops the recipe); ``schedules``: ``--pipeline-schedule`` values to run,
-null for none. One JSON reply on stdout (:func:`serve`). The CPU patches are
+null for none. One JSON reply on stdout (:func:`serve`); an accepted run names the schedule
+installed and, under a V, the layers of each V stage (``stage_layers``). The CPU patches are
 support.megatron_lm_cpu's, plus the parser speed-up below; everything printed on the way goes to stderr.
 """
 from __future__ import annotations
@@ -207,7 +208,9 @@ def _recipe(setup: _Setup, recipe: dict) -> dict:
             flags = argv + (["--pipeline-schedule", schedule] if schedule else [])
             run, args = _run(setup, flags, setup.script_provider, setup.validate)
             if args is not None:
-                run.update(_installed(), pipeline_schedule=args.pipeline_schedule)
+                layers = getattr(args, "vshape_stage_layers", None)
+                run.update(_installed(), pipeline_schedule=args.pipeline_schedule,
+                           stage_layers=list(layers) if layers is not None else None)
             reply["runs"][schedule or "default"] = run
     return reply
 

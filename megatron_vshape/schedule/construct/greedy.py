@@ -97,7 +97,7 @@ class _Rank:
     __slots__ = ("index", "stages", "memory", "next_f", "next_b", "pending_w", "out", "done",
                  "backward_started", "durations", "last")
 
-    def __init__(self, index: int, stages: tuple, durations: dict):
+    def __init__(self, index: int, stages: tuple, durations: list):
         self.index = index
         self.stages = stages
         self.memory = 0.0
@@ -123,6 +123,7 @@ class _Greedy:
         stages = placement.num_stages
         self.stages = stages
         self.rank_of = [placement.rank_of(s) for s in range(stages)]
+        self.chunk_of = [placement.locate(s)[1] for s in range(stages)]
         share = placement.chunks
         durations = pass_durations(placement, costs)
         self.ranks = [_Rank(r, tuple(placement.stage_of(r, c) for c in range(share)), durations[r])
@@ -167,7 +168,7 @@ class _Greedy:
             if (dep_stage, dep_kind) != (stage, kind):
                 hop = self.comm if self.rank_of[dep_stage] != rank else 0.0
                 start = max(start, self._end_bound(dep_stage, mb, dep_kind, now, depth - 1) + hop)
-        return start + state.durations[kind]
+        return start + state.durations[self.chunk_of[stage]][kind]
 
     def _known(self, producer_stage: int, mb: int, kind: PassKind) -> bool:
         return self.ended[self.first_id[kind][producer_stage] + mb] >= 0.0
@@ -245,7 +246,7 @@ class _Greedy:
                 if state.pending_w:  # memory, not readiness, keeps it out: free some
                     return W, state.pending_w[0][0]
                 continue
-            duration = state.durations[kind]
+            duration = state.durations[chunk][kind]
             slack = {F: self.policy.f_slack, W: self.policy.w_slack}.get(kind, 0.0) * duration
             urgent = [r for k, _, r in found[:i] if k is not W]
             if (kind is W or kind is not found[0][0]) and urgent and \

@@ -80,10 +80,12 @@ def periodic_block(problem: Problem, period_scale: float = 1.0) -> PeriodicBlock
     if problem.placement.layout is not Layout.V:
         raise ScheduleError("the continuous-offset block is defined for the V layout")
     p, costs = problem.ranks, problem.costs
-    f = [x / 2 for x in costs.forward]
-    b = [x / 2 for x in costs.backward]
-    w = [x / 2 for x in costs.weight]
-    period = period_scale * max(2 * (f[r] + b[r] + w[r]) for r in range(p))
+    times = costs.pass_times(problem.placement)  # [rank][chunk]
+    f = [[t.forward for t in chunks] for chunks in times]
+    b = [[t.backward for t in chunks] for chunks in times]
+    w = [[t.weight for t in chunks] for chunks in times]
+    period = period_scale * max(sum(t.forward + t.backward + t.weight for t in chunks)
+                                for chunks in times)
     table = [_Reservations(period) for _ in range(p)]
     starts: list[list[tuple[float, PassKind, int, int]]] = [[] for _ in range(p)]
     hop = costs.comm
@@ -95,21 +97,21 @@ def periodic_block(problem: Problem, period_scale: float = 1.0) -> PeriodicBlock
 
     ready = 0.0
     for r in range(p):  # chunk 0 forward, down the V
-        ready = put(r, F, 0, ready, f[r]) + hop
+        ready = put(r, F, 0, ready, f[r][0]) + hop
     ready -= hop
     for r in reversed(range(p)):  # chunk 1 forward, back up
-        ready = put(r, F, 1, ready, f[r]) + hop
+        ready = put(r, F, 1, ready, f[r][1]) + hop
     ready -= hop
     b1_end = []
     for r in range(p):  # chunk 1 input gradient, down again (the loss is on rank 0)
-        end = put(r, B, 1, ready, b[r])
+        end = put(r, B, 1, ready, b[r][1])
         b1_end.append(end)
         ready = end + hop
     ready -= hop
     for r in reversed(range(p)):  # chunk 0 input gradient, back up
-        end = put(r, B, 0, ready, b[r])
-        put(r, W, 1, b1_end[r], w[r])
-        put(r, W, 0, end, w[r])
+        end = put(r, B, 0, ready, b[r][0])
+        put(r, W, 1, b1_end[r], w[r][1])
+        put(r, W, 0, end, w[r][0])
         ready = end + hop
     frozen = tuple(tuple(sorted(s, key=lambda x: x[0])) for s in starts)
     return PeriodicBlock(ranks=p, period=period, starts=frozen)

@@ -111,7 +111,8 @@ class _Run:
         self.ids = [[index.first_id(kind, self._stage(rank, code % 2)) for rank in range(p)]
                     for code, kind in enumerate(kinds)]
         """[code][rank]: the id of microbatch 0's pass; microbatch k's is k more."""
-        self.time = [[durations[rank][kind] for rank in range(p)] for kind in kinds]
+        self.time = [[durations[rank][code % 2][kind] for rank in range(p)]
+                     for code, kind in enumerate(kinds)]
         """[code][rank]: how long the pass takes."""
         self.step = [delta[kind] for kind in kinds]
         """[code]: what the pass adds to the rank's activations."""
@@ -190,8 +191,8 @@ class _Run:
         arrival = self._arrival(kind, chunk, rank, self.count[rank][2 * (kind is B) + chunk])
         if arrival is None or arrival == _LOCAL:
             return
-        w = self.time[4][rank]  # a W's
-        while self.pending[rank] and arrival >= self.now[rank] + w:
+        pending, time = self.pending[rank], self.time
+        while pending and arrival >= self.now[rank] + time[4 + pending[0][0]][rank]:  # its W's
             self.put_w(rank)
         gap = arrival - self.now[rank]
         if extra and self.pending[rank] and \
@@ -229,7 +230,7 @@ class _Run:
             if rank < p - 1:
                 arrival = self.end[_F1][rank + 1][0] + self.comm
                 while (self.memory[rank] + f * (2 + 2 * rank) <= self.cap + _EPS
-                       and self.now[rank] + self.durations[rank][F] <= arrival
+                       and self.now[rank] + self.time[_F0][rank] <= arrival
                        and self.count[rank][_F0] < m):
                     for earlier in range(rank + 1):
                         self.put(F, 0, earlier)

@@ -1,12 +1,14 @@
 """Pass costs and the per-pass memory model used by the simulator."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 from .actions import PassKind, ScheduleError
+from .placement import Placement
 
-__all__ = ["Costs", "MemoryModel", "parse_costs", "parse_memory_model"]
+__all__ = ["Costs", "PassTimes", "MemoryModel", "parse_costs", "parse_memory_model"]
 
 Number = Union[int, float]
 
@@ -15,17 +17,41 @@ def _per_rank(name: str, value: Number | Sequence[Number], ranks: int) -> tuple[
     values = [value] * ranks if isinstance(value, (int, float)) else list(value)
     if len(values) != ranks:
         raise ScheduleError(f"costs: {name} has {len(values)} per-rank values for {ranks} ranks")
-    if any(not isinstance(v, (int, float)) or v <= 0 for v in values):
+    return _positive(name, values)
+
+
+def _positive(name: str, values: list) -> tuple[float, ...]:
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
         raise ScheduleError(f"costs: every {name} time must be a positive number, got {values}")
     return tuple(float(v) for v in values)
 
 
+def _check_comm(comm) -> float:
+    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not comm >= 0:
+        raise ScheduleError(f"costs: comm must be a number >= 0, got {comm!r}")
+    return float(comm)
+
+
+class PassTimes(NamedTuple):
+    """How long one pass of one stage takes for one microbatch, by kind."""
+
+    forward: float
+    backward: float
+    weight: float
+    fused: float
+    """A fused BW: B and W together."""
+
+
 @dataclass(frozen=True)
 class Costs:
-    """Pass times for one rank's *whole* share of layers (what one 1F1B stage costs).
+    """Pass times: per rank, or per pipeline stage.
 
-    In two-chunk schedules each chunk holds half of that share, so a chunk's pass takes half.
-    Per-rank tuples allow unbalanced stages (e.g. rank 0 also runs embedding and LM head).
+    ``forward``, ``backward`` and ``weight`` are one rank's *whole* share (what one 1F1B stage
+    costs). By default each of a rank's chunks holds half of that share, so a chunk's pass
+    takes half (:meth:`build`). Where the chunks differ (under a V rank 0 holds the embedding
+    in stage 0 and the LM head and loss in stage 2p-1), ``stages`` holds each global stage's
+    own pass times (:meth:`for_stages`) and the per-rank fields are their sums. Read a pass's
+    time through :meth:`pass_times` (per rank and chunk) or :meth:`stage_times` (per stage).
     """
 
     forward: tuple[float, ...]
@@ -35,26 +61,116 @@ class Costs:
     """Weight-gradient backward (W); a fused BW costs backward + weight."""
     comm: float = 0.0
     """Time of one pipeline hop; local hand-offs (the V's turn, the loss) cost nothing."""
+    stages: tuple[tuple[float, float, float], ...] | None = None
+    """Per global stage, (F, B, W) of one pass of that stage; None: every chunk of a rank
+    takes its share of the rank's times."""
 
     @classmethod
     def build(cls, ranks: int, forward=1.0, backward=1.0, weight=1.0, comm=0.0) -> "Costs":
         """Costs from single values (same on every rank) or per-rank lists."""
-        if not isinstance(comm, (int, float)) or comm < 0:
-            raise ScheduleError(f"costs: comm must be a number >= 0, got {comm!r}")
+        comm = _check_comm(comm)
         return cls(
             forward=_per_rank("forward (F)", forward, ranks),
             backward=_per_rank("backward (B)", backward, ranks),
             weight=_per_rank("weight (W)", weight, ranks),
-            comm=float(comm),
+            comm=comm,
         )
 
+    @classmethod
+    def for_stages(cls, placement: Placement, forward: Sequence[Number],
+                   backward: Sequence[Number], weight: Sequence[Number],
+                   comm: Number = 0.0) -> "Costs":
+        """Costs from per-stage times: ``forward[s]`` is one forward pass of global stage ``s``
+        for one microbatch (not a rank's share), likewise ``backward`` (B) and ``weight`` (W).
+
+        Where every stage costs the same this is :meth:`build`'s uniform form (each rank's
+        chunks summed): equal, same hash, same serialisation. Stages that halve per-rank
+        shares time bit for bit as those shares do, but stay per stage: 1F1B's stage k reads
+        stages 2k and 2k + 1 (:meth:`pass_times`), not the V's rank k share.
+        """
+        comm = _check_comm(comm)
+        count = placement.num_stages
+        times = []
+        for name, values in (("forward (F)", forward), ("backward (B)", backward),
+                             ("weight (W)", weight)):
+            values = [values] if isinstance(values, (int, float)) else list(values)
+            if len(values) != count:
+                raise ScheduleError(
+                    f"costs: {name} has {len(values)} per-stage values for {count} stages "
+                    f"({placement.ranks} ranks x {placement.chunks} chunks, "
+                    f"{placement.layout.value} layout)")
+            times.append(_positive(name, values))
+        per_stage = tuple(zip(*times))
+        chunks = [[per_stage[placement.stage_of(r, c)] for c in range(placement.chunks)]
+                  for r in range(placement.ranks)]
+        sums = [tuple(sum(t[k] for t in mine) for mine in chunks) for k in range(3)]
+        uniform = len(set(per_stage)) == 1  # not per rank: the per-rank form is a rank's
+        return cls(*sums, comm=comm, stages=None if uniform else per_stage)  # share anywhere
+
+    def pass_times(self, placement: Placement) -> tuple[tuple[PassTimes, ...], ...]:
+        """``[rank][chunk]``: how long one pass of that chunk takes, by kind, under
+        ``placement``; what the simulator, constructions and bounds time passes by.
+
+        Per-stage costs are the model's layers in stage order, so any placement of as many
+        stages reads them (a V's and the interleaved layout's 2p alike); one with fewer
+        stages sums consecutive ones (1F1B's stage k: stages 2k and 2k + 1). Raises
+        ScheduleError when the costs were given for another number of ranks, or of stages
+        that does not divide that way."""
+        if len(self.forward) != placement.ranks:
+            raise ScheduleError(
+                f"costs are given for {len(self.forward)} ranks, schedule has {placement.ranks}")
+        share = placement.chunks
+        if self.stages is None:
+            return tuple(
+                (PassTimes(f / share, b / share, w / share, (b + w) / share),) * share
+                for f, b, w in zip(self.forward, self.backward, self.weight))
+        stages = self._cut_into(placement.num_stages)
+        return tuple(tuple(PassTimes(f, b, w, b + w) for f, b, w in
+                           (stages[placement.stage_of(r, c)] for c in range(share)))
+                     for r in range(placement.ranks))
+
+    def _cut_into(self, count: int) -> tuple[tuple[float, float, float], ...]:
+        """The per-stage times for ``count`` stages: as given, or, where a placement cuts the
+        same layers into fewer stages (1F1B's p against a V's 2p), each of its stages the sum
+        of the consecutive given stages it holds."""
+        given = len(self.stages)
+        if given % count:
+            raise ScheduleError(f"costs are given for {given} stages, schedule has {count}")
+        k = given // count
+        if k == 1:
+            return self.stages
+        return tuple(tuple(sum(t[i] for t in self.stages[s * k:(s + 1) * k]) for i in range(3))
+                     for s in range(count))
+
+    def stage_times(self, placement: Placement) -> tuple[PassTimes, ...]:
+        """Per global stage, how long one of its passes takes (:meth:`pass_times`)."""
+        per_chunk = self.pass_times(placement)
+        return tuple(per_chunk[r][c] for r, c in map(placement.locate,
+                                                     range(placement.num_stages)))
+
     def as_list(self) -> list:
-        """JSON-friendly form: scalars when uniform, per-rank lists otherwise."""
+        """JSON-friendly form: ``[F, B, W, COMM]``, scalars when uniform, per-rank lists
+        otherwise; per-stage costs add a fifth item, ``[[F, B, W] per stage]``."""
 
         def squash(values):
             return values[0] if len(set(values)) == 1 else list(values)
 
-        return [squash(self.forward), squash(self.backward), squash(self.weight), self.comm]
+        out = [squash(self.forward), squash(self.backward), squash(self.weight), self.comm]
+        return out if self.stages is None else out + [[list(s) for s in self.stages]]
+
+    @classmethod
+    def from_list(cls, values: Sequence, ranks: int) -> "Costs":
+        """The inverse of :meth:`as_list`."""
+        if len(values) not in (4, 5):
+            raise ScheduleError(f"costs list must be [F, B, W, COMM] or [F, B, W, COMM, "
+                                f"stages], got {values!r}")
+        costs = cls.build(ranks, *values[:4])
+        if len(values) == 4:
+            return costs
+        stages = tuple(_positive("per-stage", list(s)) for s in values[4])
+        if any(len(s) != 3 for s in stages):
+            raise ScheduleError(f"costs: every stage needs [F, B, W], got {values[4]!r}")
+        return dataclasses.replace(costs, stages=stages)
 
 
 def parse_costs(text: str, ranks: int) -> Costs:

@@ -54,7 +54,8 @@ class PassIndex:
     """Which of its rank's chunks the pass's stage is."""
     kind: tuple[PassKind, ...]
     slot: tuple[int, ...]
-    """rank x 4 + the kind's place in (F, B, W, BW): where its duration is looked up."""
+    """(rank x chunks + chunk) x 4 + the kind's place in (F, B, W, BW): where its duration
+    is looked up."""
 
     @staticmethod
     @functools.lru_cache(maxsize=8)
@@ -73,9 +74,11 @@ class PassIndex:
         located = [placement.locate(a.stage) for a in actions]
         rank = tuple(r for r, _ in located)
         kind = tuple(a.kind for a in actions)
-        slot = tuple(4 * r + _KINDS.index(k) for r, k in zip(rank, kind))
+        chunk = tuple(c for _, c in located)
+        slot = tuple(4 * (r * placement.chunks + c) + _KINDS.index(k)
+                     for r, c, k in zip(rank, chunk, kind))
         return PassIndex(placement, microbatches, actions, ids, tuple(dep), tuple(remote),
-                         tuple(key), rank, tuple(c for _, c in located), kind, slot)
+                         tuple(key), rank, chunk, kind, slot)
 
     @staticmethod
     def for_orders(placement: Placement, orders) -> "PassIndex":
@@ -96,9 +99,11 @@ class PassIndex:
         actions = self.actions
         return tuple(tuple(actions[i] for i in order) for order in orders)
 
-    def durations(self, per_rank: list[dict]) -> list[float]:
-        """Per id, its duration from per-rank durations by kind (simulate.pass_durations)."""
-        flat = [durations[kind] for durations in per_rank for kind in _KINDS]
+    def durations(self, per_chunk: list[list[dict]]) -> list[float]:
+        """Per id, its duration from durations per rank, chunk and kind
+        (simulate.pass_durations)."""
+        flat = [durations[kind] for chunks in per_chunk for durations in chunks
+                for kind in _KINDS]
         return gather(flat, self.slot)
 
     def delays(self, comm: float) -> list[float]:

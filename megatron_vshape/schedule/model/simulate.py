@@ -58,27 +58,16 @@ class SimResult:
     peak_memory_vs_1f1b: float
 
 
-def pass_durations(placement: Placement, costs: Costs) -> list[dict[PassKind, float]]:
-    """Per rank, how long each compute kind takes: a chunk's pass is its share of the rank's."""
-    if len(costs.forward) != placement.ranks:
-        raise ScheduleError(
-            f"costs are given for {len(costs.forward)} ranks, schedule has {placement.ranks}"
-        )
-    share = placement.chunks
-    return [
-        {
-            PassKind.F: costs.forward[r] / share,
-            PassKind.B: costs.backward[r] / share,
-            PassKind.W: costs.weight[r] / share,
-            PassKind.BW: (costs.backward[r] + costs.weight[r]) / share,
-        }
-        for r in range(placement.ranks)
-    ]
+def pass_durations(placement: Placement, costs: Costs) -> list[list[dict[PassKind, float]]]:
+    """``[rank][chunk]``: how long each compute kind takes (:meth:`.Costs.pass_times`)."""
+    return [[{PassKind.F: t.forward, PassKind.B: t.backward, PassKind.W: t.weight,
+              PassKind.BW: t.fused} for t in chunks]
+            for chunks in costs.pass_times(placement)]
 
 
-def action_durations(schedule: Schedule, costs: Costs) -> list[dict[PassKind, float]]:
-    """Per rank, how long each compute kind takes: the simulator's timing, also what the
-    runtime's emulated-cost mode sleeps for, so measured and simulated times compare."""
+def action_durations(schedule: Schedule, costs: Costs) -> list[list[dict[PassKind, float]]]:
+    """``[rank][chunk]``, how long each compute kind takes: the simulator's timing, also what
+    the runtime's emulated-cost mode sleeps for, so measured and simulated times compare."""
     return pass_durations(schedule.placement, costs)
 
 
@@ -106,8 +95,8 @@ def _compute_orders(schedule: Schedule) -> list[tuple[Action, ...]]:
 
 def time_orders(placement: Placement, microbatches: int, acts, dur, comm: float):
     """Start/end of every compute action of per-rank orders ``acts`` (durations ``dur`` per
-    rank and kind), by dataflow: each rank advances until it blocks (indexed.py). Raises
-    DeadlockError when the orders wait on each other."""
+    rank, chunk and kind: :func:`pass_durations`), by dataflow: each rank advances until it
+    blocks (indexed.py). Raises DeadlockError when the orders wait on each other."""
     index = PassIndex.of(placement, microbatches)
     _, timing = _dataflow(placement, index, acts, index.durations(dur), comm)
     return timing.starts, timing.ends

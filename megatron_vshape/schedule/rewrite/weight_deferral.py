@@ -50,11 +50,9 @@ class _Rank:
     """A rank's F and B passes still to run (ids, indexed.py), its pending W passes and
     activations."""
 
-    def __init__(self, order: list[int], kind: tuple, weight_time: float):
+    def __init__(self, order: list[int], kind: tuple):
         self.rest = collections.deque(a for a in order if kind[a] is not W)
         self.pending: collections.deque[int] = collections.deque()
-        self.weight_time = weight_time
-        """How long one of its W passes takes."""
         self.memory = 0.0
         self.out: list[int] = []
 
@@ -65,10 +63,7 @@ class _DeferralFacts:
     def __init__(self, problem: Problem, index: PassIndex):
         costs, memory, cap = problem.costs, problem.memory, problem.cap
         self.index, self.comm, self.limit, self.cap = index, costs.comm, cap, cap + _TOLERANCE
-        per_rank = pass_durations(index.placement, costs)
-        self.duration = index.durations(per_rank)
-        self.weight_time = [durations[W] for durations in per_rank]
-        """Per rank, how long one of its W passes takes."""
+        self.duration = index.durations(pass_durations(index.placement, costs))
         self.step = index.steps(memory)
         self.forward = memory.deltas[F]
         self.weight_of = index.first_id(W, 0) - index.first_id(B, 0)
@@ -85,8 +80,7 @@ def defer_weight_passes(problem: Problem, orders) -> tuple[tuple[Action, ...], .
         raise ScheduleError("fused BW passes have no W to defer")
     index = PassIndex.for_orders(problem.placement, orders)
     facts = _DeferralFacts(problem, index)
-    ranks = [_Rank(order, index.kind, facts.weight_time[r])
-             for r, order in enumerate(index.encode(orders))]
+    ranks = [_Rank(order, index.kind) for order in index.encode(orders)]
     loop = EventLoop(len(ranks), facts.duration, index.key,
                      index.wakes(problem.costs.comm, frozenset({F, B})), busy=_TOLERANCE)
     loop.run(functools.partial(_step, ranks, facts, loop.finished, loop.free_at))
@@ -133,7 +127,7 @@ def _step(ranks: list[_Rank], facts: _DeferralFacts, finished: list, free_at: li
                 action = rest.popleft()
                 if kind is B:
                     pending.append(head + facts.weight_of)
-            elif pending and now + state.weight_time <= ready + _TOLERANCE:
+            elif pending and now + facts.duration[pending[0]] <= ready + _TOLERANCE:
                 action = pending.popleft()
             else:
                 return None

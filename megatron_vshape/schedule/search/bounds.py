@@ -29,15 +29,16 @@ def lifetime_per_microbatch(placement: Placement, costs: Costs, rank: int,
     x time): for each chunk, the shortest path from its F's start to its B's and W's ends."""
     stages, chunks = placement.num_stages, placement.chunks
     owner = [placement.rank_of(s) for s in range(stages)]
-    f = [costs.forward[owner[s]] / chunks for s in range(stages)]
-    b = [costs.backward[owner[s]] / chunks for s in range(stages)]
+    times = costs.stage_times(placement)
+    f = [t.forward for t in times]
+    b = [t.backward for t in times]
     freed_by_b, freed_by_w = -memory.backward, -memory.weight
     total = 0.0
     for chunk in range(chunks):
         stage = placement.stage_of(rank, chunk)
         hops = sum(owner[s] != owner[s + 1] for s in range(stage, stages - 1))
         to_b_end = sum(f[stage:]) + sum(b[stage:]) + 2 * hops * costs.comm
-        to_w_end = to_b_end + costs.weight[rank] / chunks
+        to_w_end = to_b_end + times[stage].weight
         total += freed_by_b * to_b_end + freed_by_w * to_w_end
     return total
 
@@ -49,8 +50,7 @@ def makespan_floor(placement: Placement, microbatches: int, costs: Costs, limit:
     busiest rank's compute."""
     chunks = placement.chunks
     level = limit * chunks  # peak_memory divides the running level by the chunks
-    work = max(microbatches * (costs.forward[r] + costs.backward[r] + costs.weight[r])
-               for r in range(placement.ranks))
+    work = max(microbatches * _compute(chunks) for chunks in costs.pass_times(placement))
     by_memory = max(microbatches * lifetime_per_microbatch(placement, costs, r, memory) / level
                     for r in range(placement.ranks))
     return max(work, by_memory, fill_and_drain_floor(placement, microbatches, costs, limit, memory))
@@ -74,8 +74,10 @@ def fill_and_drain_floor(placement: Placement, microbatches: int, costs: Costs, 
     """
     chunks, stages = placement.chunks, placement.num_stages
     owner = [placement.rank_of(s) for s in range(stages)]
-    f = [costs.forward[owner[s]] / chunks for s in range(stages)]
-    b = [costs.backward[owner[s]] / chunks for s in range(stages)]
+    times = costs.stage_times(placement)
+    f = [t.forward for t in times]
+    b = [t.backward for t in times]
+    per_chunk = costs.pass_times(placement)
 
     def hops(first: int, last: int) -> int:
         return sum(owner[s] != owner[s + 1] for s in range(first, last))
@@ -90,9 +92,19 @@ def fill_and_drain_floor(placement: Placement, microbatches: int, costs: Costs, 
         own = [placement.stage_of(rank, c) for c in range(chunks)]
         start = min(sum(f[:s]) + hops(0, s) * costs.comm for s in own)
         first_b = min(loss + sum(b[s + 1:]) + hops(s, stages - 1) * costs.comm for s in own)
-        warm = max(0.0, first_b - start - forwards * costs.forward[rank] / chunks)
+        mine = per_chunk[rank]  # the longest of its chunks' passes: what fills a wait most
+        warm = max(0.0, first_b - start - forwards * max(t.forward for t in mine))
         drain = min(sum(b[:s]) + hops(0, s) * costs.comm for s in own)
-        compute = microbatches * (costs.forward[rank] + costs.backward[rank] + costs.weight[rank])
-        deferrable = waiting * costs.weight[rank] / chunks
+        compute = microbatches * _compute(mine)
+        deferrable = waiting * max(t.weight for t in mine)
         floor = max(floor, start + warm + compute + max(0.0, drain - deferrable))
     return floor
+
+
+def _compute(chunks) -> float:
+    """One microbatch's F, B and W over a rank's chunks (``pass_times``' row): the rank's
+    whole share, as the per-rank costs give it."""
+    if len(set(chunks)) == 1:  # the share split evenly: the rank's own sum, bit for bit
+        t = chunks[0]
+        return len(chunks) * t.forward + len(chunks) * t.backward + len(chunks) * t.weight
+    return sum(t.forward + t.backward + t.weight for t in chunks)

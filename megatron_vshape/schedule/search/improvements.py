@@ -151,8 +151,8 @@ def fills_gaps(pool: Pool) -> bool:
     if 6 * p * problem.microbatches <= s.gaps_cheap_passes:
         return pool.shapes
     return pool.shapes and abs(problem.limit - p) > _EPS and all(
-        max(f, b, w) <= s.slot_spread * min(f, b, w)
-        for f, b, w in zip(costs.forward, costs.backward, costs.weight))
+        max(t.forward, t.backward, t.weight) <= s.slot_spread * min(t.forward, t.backward, t.weight)
+        for chunks in costs.pass_times(problem.placement) for t in chunks)
 
 
 def _then_polished(pool: Pool, step: Callable[[], None]) -> None:
