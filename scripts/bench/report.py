@@ -358,6 +358,42 @@ def _render_bw_split(rows: list[dict]) -> list[str]:
                    "(B + W) / fused - 1", "share B frees"], body)
 
 
+
+def _render_stage_layouts(rows: list[dict]) -> list[str]:
+    """Per model and PP: each schedule's even and chosen layout, and the bounds."""
+    out = []
+    for model, pp in _points(rows, "model", "pp"):
+        group = [r for r in rows if r["model"] == model and r["pp"] == pp]
+        tp = group[0]["tp"]
+        out += ["", f"**{model}, PP {pp}, TP {tp}** ({group[0]['microbatches']} microbatches, "
+                    f"seq {group[0]['seq_length']})", ""]
+        table = []
+        for r in group:
+            if not r["feasible"]:
+                table.append([r["schedule"], "-", "-", "-", "-", "-", "-", "-",
+                              r["reason"][:70]])
+                continue
+            gain = f"x{r['even_s'] / r['best_s']:.3f}" if r.get("even_s") else "even does not fit"
+            table.append([r["schedule"], _num(r.get("even_tflops"), 0), _num(r["best_tflops"], 0),
+                          gain, _seconds(r["best_s"]), _seconds(r["busiest_s"]),
+                          _seconds(r["whole_layer_s"]), _seconds(r["balanced_s"]),
+                          f"`{r['layout']}`"])
+        out += _table(["schedule", "even TFLOP/s", "best TFLOP/s", "best vs even", "best s",
+                       "busiest s", "whole-layer s", "balanced s", "chosen layout"], table)
+        fits = [r for r in group if r["feasible"]]
+        v = min((r for r in fits if r["schedule"].startswith("v-")), key=lambda r: r["best_s"],
+                default=None)
+        megatron = min((r for r in fits if "1f1b" in r["schedule"]), key=lambda r: r["best_s"],
+                       default=None)
+        if v and megatron:
+            out += ["", f"Best V ({v['schedule']}) vs best 1F1B ({megatron['schedule']}), each "
+                        f"at its best layout: x{megatron['best_s'] / v['best_s']:.3f}; the V "
+                        f"is {100 * (v['best_s'] / v['whole_layer_s'] - 1):+.1f}% from its "
+                        f"whole-layer bound, {100 * (v['best_s'] / v['busiest_s'] - 1):+.1f}% "
+                        f"from busiest."]
+    return out
+
+
 RUNS: tuple[Run, ...] = (
     Run("schedule", "schedule.py", ("--ranks", "8", "16", "32", "--microbatches", "32", "128"),
         "Building and simulating every schedule",
@@ -483,41 +519,6 @@ RUNS: tuple[Run, ...] = (
         remeasure=_by_rerun(lambda r: ["--models", r["model"], "--pp", str(r["pp"])])),
 )
 _BY_NAME = {run.name: run for run in RUNS}
-
-
-def _render_stage_layouts(rows: list[dict]) -> list[str]:
-    """Per model and PP: each schedule's even and chosen layout, and the bounds."""
-    out = []
-    for model, pp in _points(rows, "model", "pp"):
-        group = [r for r in rows if r["model"] == model and r["pp"] == pp]
-        tp = group[0]["tp"]
-        out += ["", f"**{model}, PP {pp}, TP {tp}** ({group[0]['microbatches']} microbatches, "
-                    f"seq {group[0]['seq_length']})", ""]
-        table = []
-        for r in group:
-            if not r["feasible"]:
-                table.append([r["schedule"], "-", "-", "-", "-", "-", "-", "-",
-                              r["reason"][:70]])
-                continue
-            gain = f"x{r['even_s'] / r['best_s']:.3f}" if r.get("even_s") else "even does not fit"
-            table.append([r["schedule"], _num(r.get("even_tflops"), 0), _num(r["best_tflops"], 0),
-                          gain, _seconds(r["best_s"]), _seconds(r["busiest_s"]),
-                          _seconds(r["whole_layer_s"]), _seconds(r["balanced_s"]),
-                          f"`{r['layout']}`"])
-        out += _table(["schedule", "even TFLOP/s", "best TFLOP/s", "best vs even", "best s",
-                       "busiest s", "whole-layer s", "balanced s", "chosen layout"], table)
-        fits = [r for r in group if r["feasible"]]
-        v = min((r for r in fits if r["schedule"].startswith("v-")), key=lambda r: r["best_s"],
-                default=None)
-        megatron = min((r for r in fits if "1f1b" in r["schedule"]), key=lambda r: r["best_s"],
-                       default=None)
-        if v and megatron:
-            out += ["", f"Best V ({v['schedule']}) vs best 1F1B ({megatron['schedule']}), each "
-                        f"at its best layout: x{megatron['best_s'] / v['best_s']:.3f}; the V "
-                        f"is {100 * (v['best_s'] / v['whole_layer_s'] - 1):+.1f}% from its "
-                        f"whole-layer bound, {100 * (v['best_s'] / v['busiest_s'] - 1):+.1f}% "
-                        f"from busiest."]
-    return out
 
 
 # --- stored results -----------------------------------------------------------------------------
