@@ -24,7 +24,8 @@ from ..schedule.model.placement import Layout as StageLayout, Placement
 from ..schedule.search import InfeasibleMemoryError, memory_limit_units, search
 from .candidates import NO_PIPELINE, STAGE_LAYOUTS, GridPoint
 from .cost import (PartTimes, PassTimes, analytic_times, dp_seconds, model_flops_per_sample,
-                   p2p_seconds, rank_costs, replay_share, stage_times, with_recompute)
+                   p2p_seconds, rank_costs, replay_share, stage_costs, stage_times,
+                   with_recompute)
 from .layout_search import best_layout
 from .memory import (ChunkBytes, activation_sizes, chunk_bytes, peak_activation_bytes,
                      static_memory)
@@ -262,13 +263,15 @@ class Evaluator:
         """``auto``: the fastest V schedule under the memory the tightest rank has left."""
         layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, "auto",
                                 ep=point.ep)
+        placement = Placement(point.pp, StageLayout.V)
         try:
-            shares = rank_shares(self.model, Placement(point.pp, StageLayout.V))
+            even = even_stages(self.model, placement)
         except ValueError as err:
             return Prediction(layout, point.microbatches, False, str(err), "layers")
+        shares = shares_by_rank(even, placement)
         ranks = self.rank_memory(point, shares, single=False)
         times, hop = self.times(point.tp, point.micro_batch_size, ep=point.ep), self.hop(point)
-        costs = rank_costs(shares, times, hop)
+        costs = stage_costs(placement, even, times, hop)  # rank 0's chunk 1 is the heavy one
         free = [self.cluster.budget_bytes - s.total for s in ranks.static]
         if min(free) <= 0:
             return self._memory_failure(point, layout, ranks, (0.0,) * point.pp,
@@ -296,7 +299,7 @@ class Evaluator:
         result = found.result
         return self._finish(point, layout, ranks, peaks, schedule.description,
                             lambda: (result.makespan, result.bubble_rate), times, hop,
-                            tuple(c.layers for c in even_stages(self.model, schedule.placement)))
+                            tuple(c.layers for c in even))
 
     def activation_bytes(self, point: GridPoint, schedule, workspace: bool = True,
                          recompute: str = "none") -> tuple[float, ...]:

@@ -7,7 +7,10 @@ stages are listed in global stage order: for interleaved 1F1B megatron puts stag
 s mod p; for a V the plugin reads them in V order (stage s on rank s for s < p, on rank
 2p-1-s after)::
 
-    V, p = 4, 14 layers, counts 0 2 3 2 2 3 2 0   ->   E|t*2|t*3|t*2|t*2|t*3|t*2|L
+    V, p = 4, 14 layers, counts 2 2 2 2 2 2 2 0   ->   Et*2|t*2|t*2|t*2|t*2|t*2|t*2|L
+    1F1B, p = 4, 30 layers, counts 8 8 8 6        ->   Et*8|t*8|t*8|t*6L
+
+The V's reader is megatron/stage_layout.py (megatron-core's own parser and the V's rules).
 """
 from __future__ import annotations
 

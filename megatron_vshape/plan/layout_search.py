@@ -6,8 +6,13 @@ cross entropy over the vocabulary), and the pipeline runs at its pace: with Llam
 in 1F1B, off the last rank) is the cure within whole layers::
 
     even V, p = 4, 14 layers   stage   0  1  2  3 | 4  5  6  7     rank 0: 1 + 1 + E + LM head
-                               layers  1  2  2  2 | 2  2  2  1
-    whole-layer optimum                0  2  3  2 | 2  3  2  0     rank 0: E + LM head only
+                               layers  1  2  2  2 | 2  2  2  1     ranks 1-3: 4 layers each
+    whole-layer optimum                2  2  2  2 | 2  2  2  0     the same counts per rank,
+    (Llama-3-8B's head: 2.4 layers)                                the head's chunk lighter
+
+(At more layers the optimum moves whole layers off rank 0: Llama-3-8B, PP 8 gives rank 0 two
+of 32 layers and ranks 1 and 2 five.) Under a V rank 0 keeps a layer at least, as the plugin
+requires (megatron/stage_layout.py).
 
 Three steps, each cheap:
 
@@ -62,9 +67,12 @@ def _is_end(stage: int, placement: Placement) -> bool:
 
 
 def _rank_floor(rank: int, placement: Placement) -> int:
-    """Layers a rank must hold: one per stage of it that is not an end stage."""
-    return sum(not _is_end(placement.stage_of(rank, c), placement)
-               for c in range(placement.chunks))
+    """Layers a rank must hold: one per stage of it that is not an end stage, and one on the
+    V's rank 0, which holds both ends (the plugin's V refuses a rank 0 without a layer:
+    megatron/stage_layout.py)."""
+    stages = [placement.stage_of(rank, c) for c in range(placement.chunks)]
+    inner = sum(not _is_end(s, placement) for s in stages)
+    return max(inner, 1) if len(stages) > 1 else inner
 
 
 def _rank_extra(rank: int, placement: Placement, times: PartTimes) -> float:
@@ -148,7 +156,10 @@ def _moves(placement: Placement) -> list[tuple[int, int]]:
 
 
 def _valid(counts: Sequence[int], placement: Placement) -> bool:
-    return all(n >= (0 if _is_end(s, placement) else 1) for s, n in enumerate(counts))
+    if not all(n >= (0 if _is_end(s, placement) else 1) for s, n in enumerate(counts)):
+        return False
+    return all(sum(counts[placement.stage_of(r, c)] for c in range(placement.chunks))
+               >= _rank_floor(r, placement) for r in range(placement.ranks))
 
 
 @dataclass(frozen=True)

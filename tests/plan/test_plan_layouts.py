@@ -62,6 +62,8 @@ def test_whole_layer_counts_are_the_exhaustive_optimum(placement, layers, times)
     ranks (each non-end stage one layer at least)."""
     floors = [sum(placement.stage_of(r, c) not in (0, placement.num_stages - 1)
                   for c in range(placement.chunks)) for r in range(placement.ranks)]
+    if placement.layout is Layout.V:
+        floors[0] = 1  # the plugin's V wants a layer on rank 0 (megatron/stage_layout.py)
     layer = times.layer.forward + times.layer.backward + times.layer.weight
     extra = [w - n * layer for w, n in zip(
         rank_work(tuple(s.layers for s in even_stages(LLAMA.with_overrides(num_layers=layers),
@@ -182,3 +184,23 @@ def test_bad_stage_layouts_are_refused():
         SearchSpace(stage_layouts="uneven")
     with pytest.raises(ValueError, match="--stage-layouts"):
         Evaluator(LLAMA, TRAINING, CLUSTER, stage_layouts="uneven")
+
+
+@pytest.mark.parametrize("pp, gib", [(4, 141.0), (8, 80.0), (16, 80.0)])
+def test_the_plugin_reads_the_chosen_v_layouts(pp, gib):
+    """The flag the planner prints for a V is what the plugin's V reader (megatron-core's
+    parser and the V's rules, megatron/stage_layout.py) turns back into the same counts."""
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from megatron_vshape.megatron.stage_layout import v_stage_layout
+
+    evaluator = Evaluator(LLAMA, TRAINING, ClusterConfig(gpus=pp, gpu_memory_gib=gib),
+                          stage_layouts="best")
+    for name in ("v-min", "v-half", "v-zb"):
+        row = evaluator.evaluate(GridPoint(1, 1, pp, 1, 64), name)
+        if not row.feasible:
+            continue
+        args = SimpleNamespace(pipeline_model_parallel_size=pp, num_layers=LLAMA.num_layers,
+                               pipeline_model_parallel_layout=layout_flag(row.stage_layers))
+        assert v_stage_layout(args).layers == row.stage_layers
