@@ -377,7 +377,7 @@ def _render_stage_layouts(rows: list[dict]) -> list[str]:
             table.append([r["schedule"], _num(r.get("even_tflops"), 0), _num(r["best_tflops"], 0),
                           gain, _seconds(r["best_s"]), _seconds(r["busiest_s"]),
                           _seconds(r["whole_layer_s"]), _seconds(r["balanced_s"]),
-                          f"`{r['layout']}`"])
+                          "`" + r["layout"].replace("|", "\\|") + "`"])  # | splits cells
         out += _table(["schedule", "even TFLOP/s", "best TFLOP/s", "best vs even", "best s",
                        "busiest s", "whole-layer s", "balanced s", "chosen layout"], table)
         fits = [r for r in group if r["feasible"]]
