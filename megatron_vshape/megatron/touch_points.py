@@ -457,10 +457,14 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = tuple(
 
 
 def _resolve(module, dotted: str):
-    """``module``'s attribute ``dotted`` (a.b.c), or raise AttributeError naming the part."""
+    """``module``'s attribute ``dotted`` (a.b.c), megatron's own where the plugin has replaced
+    it already (its subclass's ``vshape_base``, its wrapper's ``vshape_original``: install()
+    may run again); AttributeError where it is missing."""
     value = module
     for part in dotted.split("."):
         value = getattr(value, part)
+        value = getattr(value, "vshape_base", None) or getattr(value, "vshape_original", None) \
+            or value
     return value
 
 

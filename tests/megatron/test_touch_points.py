@@ -416,3 +416,28 @@ def test_install_refuses_a_megatron_without_a_listed_name(monkeypatch):
     assert "megatron.core.pipeline_parallel.schedules.get_tensor_shapes: missing" in \
         str(err.value)
     assert schedules.get_forward_backward_func is before
+
+
+@pytest.mark.megatron_versions
+def test_the_check_sees_megatrons_own_names_under_the_plugins_patches(monkeypatch):
+    """install() may run again after the plugin replaced some listed names (the linear
+    Function, the placement functions, the schedule bindings): the check reads megatron's own
+    behind them (``vshape_base``, ``vshape_original``) and still passes."""
+    _import_megatron()
+    import megatron_vshape
+    from megatron.core.tensor_parallel import layers
+    from megatron_vshape.megatron.layers import patch_layer_placement
+    from megatron_vshape.megatron.versions import OVERRIDE_ENV
+    from megatron_vshape.megatron.wgrad import patch_linear, unpatch_linear
+
+    monkeypatch.setenv(OVERRIDE_ENV, "1")
+    patch_linear()
+    patch_layer_placement()
+    try:
+        assert hasattr(layers.LinearWithGradAccumulationAndAsyncCommunication, "vshape_base")
+        megatron_vshape.install(schedule="v-half")
+        megatron_vshape.install(schedule="v-min")
+        check_touch_points((Side.CORE,))
+    finally:
+        megatron_vshape.uninstall()
+        unpatch_linear()
