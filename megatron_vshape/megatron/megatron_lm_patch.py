@@ -51,6 +51,7 @@ from .install import ForwardBackwardGetter, OURS, VShapeConfig
 from ..schedule.names import V_SCHEDULES
 from .arguments import check_arguments, stand_in_notice, vshape_config
 from .stage_layout import LAYOUT_FLAGS, v_stage_layout
+from .touch_points import check_flags
 
 __all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED",
            "refuse_yaml_config"]
@@ -79,9 +80,11 @@ _SCHEDULE_CALLERS = ("train", "evaluate")
 def patch_megatron_lm() -> None:
     """Make Megatron-LM's pretrain() run the plugin's schedules (idempotent; module doc).
     An unsupported megatron-core stops here, before anything is patched (versions.py)."""
+    from .touch_points import Side, check_touch_points
     from .versions import check_megatron_core_version
 
     check_megatron_core_version()
+    check_touch_points((Side.CORE, Side.TRAINING))
     from megatron.training import training
 
     _wrap_validate_args()
@@ -184,6 +187,7 @@ def _binding_problem(function, config: VShapeConfig) -> str | None:
 
 def _validating(original):
     def validate_args(args, defaults={}):
+        check_flags(args)
         check_arguments(args)
         v = args.pipeline_schedule in V_SCHEDULES
         if v:

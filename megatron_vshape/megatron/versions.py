@@ -2,7 +2,8 @@
 
 The plugin reaches into megatron-core beyond its public API (the schedule functions' keyword
 contract, ``get_forward_backward_func``'s bindings, the layer-placement functions, the linear
-layers' autograd Function, DDP's delayed weight-gradient hooks, dist_checkpointing's keys), so
+layers' autograd Function, DDP's delayed weight-gradient hooks, dist_checkpointing's keys;
+every such name is listed in touch_points.py and checked after the version), so
 a release is supported only where the megatron-core tier (tests marked ``megatron_versions``)
 has run against it:
 
