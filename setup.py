@@ -15,9 +15,7 @@ VERSION = re.search(r'^__version__ = "([^"]+)"$',
                     (HERE / "megatron_vshape" / "__init__.py").read_text(encoding="utf-8"),
                     flags=re.M).group(1)
 
-# 0.16.x and 0.19.x are tested; 0.17 and 0.18 are inside the range on purpose: excluding them
-# would make pip replace a user's 0.17/0.18 with another megatron-core, and the plugin's
-# version check (megatron_vshape/megatron) names an untested version when it is imported.
+# 0.16.x to 0.19.x are tested (megatron_vshape/megatron/versions.py).
 # 0.20 is not allowed: every minor release so far changed the internals the glue wraps.
 MEGATRON_CORE = "megatron-core>=0.16,<0.20"
 # What megatron-core imports without declaring it (psutil: dist_checkpointing's async

@@ -25,7 +25,7 @@ def uninstall():
 
 
 def check_megatron_core_version():
-    """Raise unless the installed megatron-core is a supported release (0.16.x, 0.19.x), or
+    """Raise unless the installed megatron-core is a supported release (0.16.x to 0.19.x), or
     warn where VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1; returns the version. :func:`install` calls
     it; see :mod:`megatron_vshape.megatron.versions`. Imports no megatron."""
     from .megatron.versions import check_megatron_core_version as _check

@@ -1,5 +1,6 @@
-"""Megatron-LM's pretrain_gpt with the megatron-vshape schedules (Megatron-LM tag core_v0.16.1
-with megatron-core 0.16, or the 0.19-era training code with megatron-core 0.19.2).
+"""Megatron-LM's pretrain_gpt with the megatron-vshape schedules (Megatron-LM tags core_v0.16.1,
+core_v0.17.1 and core_v0.18.2 with their megatron-core, or the 0.19-era training code with
+megatron-core 0.19.2).
 
     torchrun --nproc-per-node 8 scripts/pretrain_gpt_vshape.py <pretrain_gpt flags> \\
         --pipeline-schedule v-half [--pipeline-memory-limit 0.5] [--pipeline-replan-after 3]
@@ -13,8 +14,9 @@ embedding and LM head, reads tokens and labels); 1f1b, interleaved-1f1b and zb-1
 pretrain_gpt's own. Losses are logged as usual (relayed to the last pipeline rank). No patch of
 Megatron-LM is needed (see patches/README.md).
 
-The two training loops differ in who parses the flags: core_v0.16.1's ``pretrain()`` parses
-them itself (``extra_args_provider``, ``args_defaults``); the 0.19-era one takes a config
+The two training loops differ in who parses the flags: core_v0.16.1's and core_v0.17.1's
+``pretrain()`` parses them itself (``extra_args_provider``, ``args_defaults``); core_v0.18.2's
+and the 0.19-era one take a config
 container built from flags the script has parsed (``parse_and_validate_args``). ``_pretrain``
 is the one place that tells them apart, by ``pretrain()``'s signature. Under both, the model
 is built by the model provider through Megatron-LM's ``get_model`` (0.19's container holds no
@@ -163,13 +165,16 @@ def _pretrain(pretrain, datasets, provider, model_type, forward_step, embedding_
 
     args = parse_and_validate_args(extra_args_provider=extra_args_provider,
                                    args_defaults=_ARGS_DEFAULTS)
-    if getattr(pretrain_gpt, "has_nvidia_modelopt", False):
-        pretrain_gpt.maybe_enable_modelopt(args)  # as 0.19's pretrain_gpt.py:517 does
+    enable_modelopt = getattr(pretrain_gpt, "maybe_enable_modelopt", None)  # 0.18: none
+    if getattr(pretrain_gpt, "has_nvidia_modelopt", False) and enable_modelopt is not None:
+        enable_modelopt(args)  # as 0.19's pretrain_gpt.py:517 does
     with warnings.catch_warnings():  # "use a ModelConfig": a V needs the model provider
         warnings.filterwarnings("ignore", message=".*ModelConfig", category=UserWarning)
         container = pretrain_cfg_container_from_args(args)
-    pretrain(container, datasets, model_type, forward_step, model_provider=provider,
-             get_embedding_ranks=embedding_ranks)
+    # by keyword: 0.18's pretrain() takes model_provider third (training.py:1032), 0.19's
+    # fifth (training.py:1019)
+    pretrain(container, datasets, model_type=model_type, forward_step_func=forward_step,
+             model_provider=provider, get_embedding_ranks=embedding_ranks)
 
 
 if __name__ == "__main__":

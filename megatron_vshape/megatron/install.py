@@ -25,6 +25,7 @@ from ..schedule.model.limits import MemoryLimit
 from ..schedule.names import PLUGIN_SCHEDULES
 from .forward_backward import VShapeForwardBackward, checked_settings
 from .model import is_v_placed
+from .touch_points import check_touch_points
 from .versions import check_megatron_core_version
 
 __all__ = ["VShapeConfig", "install", "uninstall", "OURS", "MEGATRON_SCHEDULES",
@@ -153,8 +154,10 @@ def install(config: VShapeConfig = VShapeConfig()) -> VShapeConfig:
     """Route megatron's schedule choice through ``config`` (idempotent; see module doc).
 
     Checks the megatron-core version first (versions.check_megatron_core_version: an
-    unsupported one raises, unless VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1)."""
+    unsupported one raises, unless VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1), then that every
+    megatron-core name the plugin relies on is there (touch_points.py)."""
     check_megatron_core_version()
+    check_touch_points()
     found = False
     for name in _NAMESPACES:
         module = _module(name)

@@ -1,8 +1,9 @@
 """What the plugin changes inside Megatron-LM's training code, from outside.
 
-Two training loops are supported (:data:`SUPPORTED`): Megatron-LM tag core_v0.16.1 with
-megatron-core 0.16, and the 0.19-era training code (Megatron-LM main at 54045a5) with
-megatron-core 0.19.2; :func:`patch_megatron_lm` first refuses another megatron-core
+Two training loops are supported (:data:`SUPPORTED`): the one whose pretrain() parses the flags
+(Megatron-LM tags core_v0.16.1 and core_v0.17.1, with megatron-core 0.16 and 0.17), and the one
+that takes a config container (core_v0.18.2 and the 0.19-era training code, Megatron-LM main at
+54045a5, with megatron-core 0.18 and 0.19.2); :func:`patch_megatron_lm` first refuses another megatron-core
 (versions.check_megatron_core_version). Each change below is found by the name it replaces,
 not by a version.
 :func:`patch_megatron_lm` makes the changes that pretrain()'s arguments cannot express (the
@@ -50,15 +51,18 @@ from .install import ForwardBackwardGetter, OURS, VShapeConfig
 from ..schedule.names import V_SCHEDULES
 from .arguments import check_arguments, stand_in_notice, vshape_config
 from .stage_layout import LAYOUT_FLAGS, v_stage_layout
+from .touch_points import check_flags
 
 __all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED",
            "refuse_yaml_config"]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = ("Megatron-LM tag core_v0.16.1 with megatron-core 0.16.x, or Megatron-LM's "
-             "0.19-era training code (main at 54045a510b80) with megatron-core 0.19.2")
-"""The training loops this plugin is tested in (tests/megatron/test_megatron_lm_e2e.py, _019.py)."""
+SUPPORTED = ("Megatron-LM tag core_v0.16.1, core_v0.17.1 or core_v0.18.2 with megatron-core "
+             "0.16.x, 0.17.x or 0.18.x, or Megatron-LM's 0.19-era training code (main at "
+             "54045a510b80) with megatron-core 0.19.2")
+"""The training loops this plugin is tested in (tests/megatron/test_megatron_lm_e2e.py, _019.py;
+0.17 and 0.18 in CI's matrix tier, .ci/megatron-versions)."""
 
 _VALIDATE_ARGS_CALLERS = ("megatron.training.initialize", "megatron.training.arguments")
 """Modules whose code calls ``validate_args`` by its module-global name: core_v0.16.1's
@@ -76,9 +80,11 @@ _SCHEDULE_CALLERS = ("train", "evaluate")
 def patch_megatron_lm() -> None:
     """Make Megatron-LM's pretrain() run the plugin's schedules (idempotent; module doc).
     An unsupported megatron-core stops here, before anything is patched (versions.py)."""
+    from .touch_points import Side, check_touch_points
     from .versions import check_megatron_core_version
 
     check_megatron_core_version()
+    check_touch_points((Side.CORE, Side.TRAINING))
     from megatron.training import training
 
     _wrap_validate_args()
@@ -181,6 +187,7 @@ def _binding_problem(function, config: VShapeConfig) -> str | None:
 
 def _validating(original):
     def validate_args(args, defaults={}):
+        check_flags(args)
         check_arguments(args)
         v = args.pipeline_schedule in V_SCHEDULES
         if v:

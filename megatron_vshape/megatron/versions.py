@@ -2,7 +2,8 @@
 
 The plugin reaches into megatron-core beyond its public API (the schedule functions' keyword
 contract, ``get_forward_backward_func``'s bindings, the layer-placement functions, the linear
-layers' autograd Function, DDP's delayed weight-gradient hooks, dist_checkpointing's keys), so
+layers' autograd Function, DDP's delayed weight-gradient hooks, dist_checkpointing's keys;
+every such name is listed in touch_points.py and checked after the version), so
 a release is supported only where the megatron-core tier (tests marked ``megatron_versions``)
 has run against it:
 
@@ -10,12 +11,25 @@ has run against it:
     0.16    0.16.0, 0.16.1      the tier's first environment (0.16.1); 0.16.0 differs in no
                                 file the plugin uses (diffed: the async checkpoint worker's
                                 cleanup, the Mamba block)
-    0.19    0.19.0 - 0.19.2     the second (0.19.2); 0.19.0 and 0.19.1 (yanked upstream as a
-                                wrong version) differ from 0.19.2 in no file the plugin uses
-                                (diffed: FP8/FP4 contexts, inference endpoints, MTP layer)
+    0.17    0.17.0, 0.17.1      the matrix tier (0.17.1 with Megatron-LM core_v0.17.1, whose
+                                pretrain() still parses the flags itself, as 0.16's); 0.17.0
+                                differs in no way the plugin uses (diffed: NVFP4 optimizer
+                                shards, HybridEP options, TE extra state unpickled safely)
+    0.18    0.18.0 - 0.18.2     the matrix tier (0.18.2 with core_v0.18.2, the first training
+                                code with a config container; its pretrain() takes the model
+                                provider third, 0.19's by keyword); 0.18.0 and 0.18.1 differ from
+                                0.18.2 in package_info and a model-parallel config default only
+    0.19    0.19.0 - 0.19.2     the second environment (0.19.2); 0.19.0 and 0.19.1 (yanked
+                                upstream as a wrong version) differ from 0.19.2 in no file the
+                                plugin uses (diffed: FP8/FP4 contexts, inference endpoints, MTP
+                                layer)
 
-0.15 and older, 0.17 and 0.18 are not tested in CI, so not supported (0.15: see
-:data:`SUPPORTED_SERIES`); pre-releases (``rc``, ``dev``) are not releases of a series.
+The matrix tier (.ci/megatron-versions, tests marked ``megatron_matrix``) runs the demo, every
+schedule in the real loop, the distributed optimizer, MoE with EP, a resume across schedules,
+the version gate and the refusal-flag check; the 0.19 environment runs every test marked
+``megatron_versions``. 0.15 and older and 0.20 (megatron-core main) are not tested in CI, so
+not supported (0.15: see :data:`SUPPORTED_SERIES`); pre-releases (``rc``, ``dev``) are not
+releases of a series.
 ``VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1`` lets :func:`check_megatron_core_version` pass with a
 logged warning instead, at the user's risk.
 
@@ -41,7 +55,7 @@ __all__ = ["SUPPORTED_SERIES", "OVERRIDE_ENV", "UnsupportedMegatronError",
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_SERIES = ((0, 16), (0, 19))
+SUPPORTED_SERIES = ((0, 16), (0, 17), (0, 18), (0, 19))
 """(major, minor) of the supported megatron-core series; any release (no pre-release) of
 them. 0.15 is left out although the CPU demo trains equal to 1F1B on 0.15.3 (its layer
 placement, linear Function and DDP hooks match 0.16's): no CI environment runs the tier on

@@ -144,7 +144,7 @@ def test_mtp_sits_beside_the_lm_head_on_rank_0_with_megatrons_layer_numbers(
 
 
 VERSIONS = pytest.mark.megatron_versions
-"""CI runs these under megatron-core 0.19.2 too (.ci/megatron-0.19): V model build (uneven
+"""CI runs these under megatron-core 0.19.2 too (.ci/megatron-versions): V model build (uneven
 layers through megatron's placement functions), losses and gradients equal to megatron's own
 1F1B (tied and untied, PP 2 and 4, DDP with W-started bucket reductions, the deferred W of
 tensor- and sequence-parallel linears), checkpoints between V and standard models."""

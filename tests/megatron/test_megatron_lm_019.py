@@ -14,6 +14,9 @@ with support.megatron_lm_cpu's patches for this code), a tiny GPT in fp32 starte
 1f1b on the same flags: every iteration's lm loss and grad norm and every validation loss
 within 1e-5 relative (REL: the schedules differ only in the order gradients accumulate over
 microbatches).
+
+megatron-core 0.18.2 with its own training code (../shared/megatron-lm-0.18, which takes a
+config container too) runs the tests marked ``megatron_matrix`` here (.ci/megatron-versions).
 """
 from __future__ import annotations
 
@@ -43,9 +46,9 @@ def _megatron_core() -> str:
         return "none"
 
 
-if not _megatron_core().startswith("0.19."):
-    pytest.skip(f"the 0.19-era training code pairs with megatron-core 0.19, not "
-                f"{_megatron_core()}", allow_module_level=True)
+if not _megatron_core().startswith(("0.18.", "0.19.")):
+    pytest.skip(f"the config-container training code (core_v0.18.2, the 0.19 era) pairs with "
+                f"megatron-core 0.18 or 0.19, not {_megatron_core()}", allow_module_level=True)
 
 PP2DP2 = ["--pipeline-model-parallel-size", "2"]
 """PP 2 x DP 2 with megatron's plain optimizer, tied embeddings (rank 0's two copies of the word
@@ -66,12 +69,14 @@ def runs(tmp_path_factory):
     launcher.close()
 
 
+@pytest.mark.megatron_matrix
 @pytest.mark.parametrize("schedule", ["zb-1p", "v-min", "v-half", "v-zb", "auto"])
 def test_every_schedule_trains_like_1f1b(runs, schedule):
     reference = trained(runs, "pp4", PP4, "1f1b")
     assert_same_training(trained(runs, "pp4", PP4, schedule), reference, f"0.19 pp4 {schedule}")
 
 
+@pytest.mark.megatron_matrix
 def test_distributed_optimizer_trains_like_1f1b(runs):
     reference = trained(runs, "pp2dp2-distopt", DISTOPT, "1f1b")
     got = trained(runs, "pp2dp2-distopt", DISTOPT, "v-half")
@@ -107,6 +112,7 @@ def test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b(runs):
     assert_same_training(layout, reference, "0.19 pp4 14 layers zb-1p layout")
 
 
+@pytest.mark.megatron_matrix
 def test_moe_with_expert_parallelism_trains_like_1f1b(runs):
     """MoE (tests/megatron/test_megatron_lm_moe.py's PP 2 x EP 2 case: alltoall dispatcher, aux loss,
     distributed optimizer, expert capacity) under v-half: 1f1b's losses, grad norms and logged
@@ -143,10 +149,12 @@ def test_multi_token_prediction_resumes_under_another_schedule(runs, saved_by, r
 
 
 @pytest.mark.parametrize("model,saved_by,resumed_by,extra", [
-    ("pp4", "v-half", "1f1b", ()), ("pp4", "1f1b", "v-half", ()),
+    pytest.param("pp4", "v-half", "1f1b", (), marks=pytest.mark.megatron_matrix),
+    ("pp4", "1f1b", "v-half", ()),
     ("pp2dp2", "v-half", "v-half", ("--ckpt-fully-parallel-load",)),
     ("pp2dp2", "v-half", "1f1b", ()),
-    ("pp2dp2-distopt", "v-half", "1f1b", ()), ("pp2dp2-distopt", "1f1b", "v-half", ())])
+    ("pp2dp2-distopt", "v-half", "1f1b", ()),
+    pytest.param("pp2dp2-distopt", "1f1b", "v-half", (), marks=pytest.mark.megatron_matrix)])
 def test_resume_under_another_schedule_equals_uninterrupted_training(runs, model, saved_by,
                                                                      resumed_by, extra):
     """Saved at iteration 2 under one schedule, resumed under the other (or the V under

@@ -13,17 +13,18 @@ from megatron_vshape.megatron import versions
 from megatron_vshape.megatron.versions import (OVERRIDE_ENV, UnsupportedMegatronError,
                                                check_megatron_core_version, is_supported)
 
-pytestmark = pytest.mark.megatron_versions
+pytestmark = [pytest.mark.megatron_versions, pytest.mark.megatron_matrix]
 
 
-@pytest.mark.parametrize("version", ["0.16.0", "0.16.1", "0.19.0", "0.19.1", "0.19.2",
+@pytest.mark.parametrize("version", ["0.16.0", "0.16.1", "0.17.0", "0.17.1", "0.18.0",
+                                     "0.18.2", "0.19.0", "0.19.1", "0.19.2",
                                      "0.19.2+1a2b3c4"])
 def test_supported_releases_pass(version):
     assert is_supported(version)
     assert check_megatron_core_version(version, environ={}) == version
 
 
-@pytest.mark.parametrize("version", ["0.15.3", "0.17.0", "0.18.1", "0.20.0", "1.16.0",
+@pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "0.21.1", "1.16.0",
                                      "0.19.0rc1", "0.16.0.dev0", "garbage"])
 def test_unsupported_versions_raise_naming_found_supported_and_override(version):
     assert not is_supported(version)
@@ -31,22 +32,22 @@ def test_unsupported_versions_raise_naming_found_supported_and_override(version)
         check_megatron_core_version(version, environ={OVERRIDE_ENV: "0"})
     message = str(err.value)
     assert f"megatron-core {version} is not supported" in message
-    assert "0.16.x, 0.19.x" in message
+    assert "0.16.x, 0.17.x, 0.18.x, 0.19.x" in message
     assert f"{OVERRIDE_ENV}=1" in message
 
 
 def test_override_warns_and_returns_the_version(caplog):
     with caplog.at_level(logging.WARNING, logger=versions.__name__):
-        assert check_megatron_core_version("0.18.0", environ={OVERRIDE_ENV: "1"}) == "0.18.0"
+        assert check_megatron_core_version("0.20.0", environ={OVERRIDE_ENV: "1"}) == "0.20.0"
     (record,) = [r for r in caplog.records if r.name == versions.__name__]
     assert record.levelno == logging.WARNING
-    assert "0.18.0 is not supported" in record.getMessage()
+    assert "0.20.0 is not supported" in record.getMessage()
     assert OVERRIDE_ENV in record.getMessage()
 
 
 def test_missing_megatron_core_is_an_import_error(monkeypatch):
     monkeypatch.setattr(versions, "installed_megatron_core_version", lambda: None)
-    with pytest.raises(ImportError, match="megatron-core is not installed.*0.16.x, 0.19.x"):
+    with pytest.raises(ImportError, match="megatron-core is not installed.*0.16.x, 0.17.x, 0.18.x, 0.19.x"):
         check_megatron_core_version(environ={})
 
 

@@ -40,14 +40,16 @@ REPO = TESTS.parent
 
 def _default_training_code() -> Path:
     """The training code beside the checkout that pairs with the installed megatron-core:
-    ../shared/megatron-lm (tag core_v0.16.1) for 0.16, ../shared/megatron-lm-0.19 for later."""
+    ../shared/megatron-lm (tag core_v0.16.1) for 0.16 and older, ../shared/megatron-lm-0.17,
+    -0.18 and -0.19 for those, the 0.19-era code for anything newer."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         minor = int(version("megatron-core").split(".")[1])
     except PackageNotFoundError:
         minor = 16
-    return REPO.parent / "shared" / ("megatron-lm" if minor <= 16 else "megatron-lm-0.19")
+    folder = "megatron-lm" if minor <= 16 else f"megatron-lm-0.{min(minor, 19)}"
+    return REPO.parent / "shared" / folder
 
 
 MEGATRON_LM = Path(os.environ.get("MEGATRON_LM") or _default_training_code()).resolve()
