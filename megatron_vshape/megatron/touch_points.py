@@ -22,8 +22,8 @@ against each (tests/megatron/test_touch_points.py checks the column in every env
 tier runs in):
 
     0.16  megatron-core 0.16.1, Megatron-LM core_v0.16.1      supported
-    0.17  megatron-core 0.17.1, Megatron-LM core_v0.17.1      not supported (versions.py)
-    0.18  megatron-core 0.18.2, Megatron-LM core_v0.18        not supported
+    0.17  megatron-core 0.17.1, Megatron-LM core_v0.17.1      supported
+    0.18  megatron-core 0.18.2, Megatron-LM core_v0.18.2      supported
     0.19  megatron-core 0.19.2, Megatron-LM main 54045a5      supported
     0.20  Megatron-LM main d98e8a6 (megatron-core 0.20.0 in development)
 
@@ -344,9 +344,17 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = tuple(
         ("reduce_group", "the tracker's key, set as GPTModel's save_*_to_tracker sets it"),
         ("avg_group", "the tracker's key, as reduce_group"),
     ) + _rows("megatron.core.transformer.pipeline_parallel_layer_layout",
-              "megatron/features.py")(
-        ("PipelineParallelLayerLayout.get_num_stages_from_str", "the stages of "
-         "--pipeline-model-parallel-layout", {"kind": _C}),
+              "megatron/stage_layout.py")(
+        ("PipelineParallelLayerLayout.parse_str_to_list", "a V layout's 2 x PP stages, by "
+         "megatron's own grammar", {"kind": _C}),
+        ("PipelineParallelLayerLayout.validate_layer_layout", "megatron's own checks of a V "
+         "layout (layer and MTP counts)", {"kind": _C}),
+    ) + _rows("megatron.core.transformer.enums", "megatron/stage_layout.py")(
+        ("LayerType", "what each position of a parsed layout holds", {"kind": Kind.CLASS}),
+        ("LayerType.decoder", "a V stage's transformer layers"),
+        ("LayerType.embedding", "the stage holding the embedding"),
+        ("LayerType.loss", "the stage holding the loss"),
+        ("LayerType.mtp", "the stage holding the MTP layers"),
     )
     # -- Megatron-LM (megatron_lm_patch.py, checkpoints.py, the script) -----------------------
     + _rows(_TRAINING, "megatron/megatron_lm_patch.py", Side.TRAINING)(

@@ -76,9 +76,9 @@ def test_install_checks_the_version_first(monkeypatch):
     import megatron_vshape
 
     original = schedules.get_forward_backward_func
-    monkeypatch.setattr(versions, "installed_megatron_core_version", lambda: "0.17.0")
+    monkeypatch.setattr(versions, "installed_megatron_core_version", lambda: "0.20.0")
     monkeypatch.delenv(OVERRIDE_ENV, raising=False)
-    with pytest.raises(UnsupportedMegatronError, match="megatron-core 0.17.0 is not supported"):
+    with pytest.raises(UnsupportedMegatronError, match="megatron-core 0.20.0 is not supported"):
         megatron_vshape.install(schedule="v-half")
     assert schedules.get_forward_backward_func is original  # nothing was wrapped
     monkeypatch.setenv(OVERRIDE_ENV, "1")
