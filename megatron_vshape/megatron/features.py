@@ -405,7 +405,7 @@ SETTINGS = (
             lambda a: _moe(a) and _on(a, "moe_paged_stash"), X, X,
             "does not support --moe-paged-stash (megatron-core 0.19: megatron's schedules "
             "reset the stash every step, pipeline_parallel/schedules.py:738; ours do not): "
-            "drop it, or use --pipeline-schedule 1f1b", since="0.19"),
+            "drop it, or use --pipeline-schedule 1f1b", since="0.18"),
     # -- parallelism and precision the schedules do not run yet -------------------------------
     Setting("--hybrid-context-parallel", ("hybrid_context_parallel",),
             lambda a: _on(a, "hybrid_context_parallel"), X, X,
@@ -480,7 +480,7 @@ SETTINGS = (
             since="modelopt"),
     Setting("--use-legacy-models", ("use_legacy_models",),
             lambda a: _on(a, "use_legacy_models"), X, X,
-            "runs megatron-core models only: drop --use-legacy-models", until="0.16"),
+            "runs megatron-core models only: drop --use-legacy-models", until="0.17"),
     Setting("--use-torch-fsdp2, --use-megatron-fsdp", ("use_torch_fsdp2", "use_megatron_fsdp"),
             lambda a: _on(a, "use_torch_fsdp2", "use_megatron_fsdp"), X, X,
             "needs megatron's DistributedDataParallel (its W passes call DDP's gradient hooks): "
@@ -499,7 +499,7 @@ SETTINGS = (
             "(--overlap-moe-expert-parallel-comm, its own schedule plan): drop "
             "--overlap-moe-expert-parallel-comm / --overlap-dispatch-backward-with-experts-wgrad"
             " / --ep-overlap-early-attn-memory-release, or use --pipeline-schedule 1f1b",
-            since="0.19"),
+            since="0.18"),
     Setting("--defer-embedding-wgrad-compute", ("defer_embedding_wgrad_compute",),
             lambda a: _on(a, "defer_embedding_wgrad_compute"), X, X,
             "does not support --defer-embedding-wgrad-compute (megatron's own schedules drain "
