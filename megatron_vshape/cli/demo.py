@@ -128,7 +128,8 @@ def _demo(args) -> int:
         if missing:
             print(f"megatron-core: {' and '.join(missing)} not installed, using its local torch "
                   f"fallbacks (fine on CPU; their warnings are hidden)", file=sys.stderr)
-        with tqdm(total=len(names), desc="training under each schedule", unit="schedule",
+        total = len(names) + len(settings.stage_layouts())
+        with tqdm(total=total, desc="training under each schedule, then layout", unit="run",
                   disable=args.json) as progress:
             def done(name):
                 progress.set_postfix_str(f"{name} done")
