@@ -20,7 +20,7 @@ from pathlib import Path
 from .plan import model_help
 from .ui import subcommand
 
-__all__ = ["register", "missing_backend_warnings_hidden", "demo_settings"]
+__all__ = ["register", "missing_backend_warnings_hidden", "demo_settings", "layout_rows"]
 
 _MISSING_BACKENDS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
 """How megatron-core's warnings that it falls back to its local (torch) kernels begin: once
@@ -137,7 +137,7 @@ def _demo(args) -> int:
             result = run_schedules(settings, names, on_done=done)
     runs = result.schedules
     rows = _rows(settings, runs)
-    layout_rows = _layout_rows(settings, result.layouts, runs["1f1b"])
+    layout_rows = layout_rows(settings, result.layouts, runs["1f1b"])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     pictures = _pictures(settings, runs, rows, out) + _layout_pictures(settings, result.layouts,
@@ -207,7 +207,7 @@ def _emulated_columns(settings, emulated) -> dict:
             "emulated_schedule": emulated.last_schedule.description}
 
 
-def _layout_rows(settings, layouts, ref) -> list[dict]:
+def layout_rows(settings, layouts, ref) -> list[dict]:
     """Per stage layout of the heavy-head case: losses against 1F1B's, rank loads, the
     emulated step against the simulator's makespan of the same schedule and per-stage costs."""
     from ..schedule import simulate
