@@ -137,22 +137,22 @@ def _demo(args) -> int:
             result = run_schedules(settings, names, on_done=done)
     runs = result.schedules
     rows = _rows(settings, runs)
-    layout_rows = layout_rows(settings, result.layouts, runs["1f1b"])
+    by_layout = layout_rows(settings, result.layouts, runs["1f1b"])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     pictures = _pictures(settings, runs, rows, out) + _layout_pictures(settings, result.layouts,
-                                                                       layout_rows, out)
+                                                                       by_layout, out)
     (out / "demo.json").write_text(json.dumps(rows, indent=1))
-    (out / "layouts.json").write_text(json.dumps(layout_rows, indent=1))
+    (out / "layouts.json").write_text(json.dumps(by_layout, indent=1))
     if args.json:
-        for row in rows + layout_rows:
+        for row in rows + by_layout:
             print(json.dumps(row))
     else:
         _print_table(settings, rows, runs)
-        _print_layouts(settings, layout_rows)
+        _print_layouts(settings, by_layout)
         print(f"wrote {len(pictures)} timelines, demo.json and layouts.json to {out}/")
     return 0 if all(r["max_loss_diff"] < 1e-5 and r["max_grad_diff"] < 1e-5
-                    for r in rows + layout_rows) else 1
+                    for r in rows + by_layout) else 1
 
 
 def _rows(settings, runs) -> list[dict]:
