@@ -2,8 +2,10 @@
 
 Prints one row per schedule (losses and gradients against megatron's own 1F1B, measured peak
 activation memory per rank, CPU step time and simulated bubble, then the step time with
-emulated device time next to the simulator's makespan for the same costs) and writes each
-schedule's measured timelines as pictures, plus ``demo.json`` with the numbers.
+emulated device time next to the simulator's makespan for the same costs), then the
+heavy-head case (V-ZB with the even and a balanced stage layout, the LM head emulated as
+``--head-layers`` layers), and writes each run's measured timelines as pictures, plus
+``demo.json`` and ``layouts.json`` with the numbers.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 from .plan import model_help
 from .ui import subcommand
 
-__all__ = ["register", "missing_backend_warnings_hidden", "demo_settings"]
+__all__ = ["register", "missing_backend_warnings_hidden", "demo_settings", "layout_rows"]
 
 _MISSING_BACKENDS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
 """How megatron-core's warnings that it falls back to its local (torch) kernels begin: once
@@ -33,8 +35,10 @@ def register(sub) -> None:
                     "rank) under megatron's own 1F1B and under every schedule of the plugin, "
                     "and print one row per schedule: losses and gradients against 1F1B's, "
                     "measured peak activation memory per rank, step times and the simulated "
-                    "bubble; then the same with emulated device time. Writes each schedule's "
-                    "measured timeline as a picture and demo.json. It takes about a minute.",
+                    "bubble; then the same with emulated device time, and V-ZB with the even and "
+                    "a balanced stage layout where the LM head costs --head-layers layers. "
+                    "Writes each run's measured timeline as a picture, demo.json and "
+                    "layouts.json. It takes about a minute.",
         examples=["vshape demo", "vshape demo --ranks 4 --microbatches 8 --schedules "
                                  "v-half,auto --no-emulate -o /tmp/vshape-demo"])
     demo.add_argument("--ranks", "-p", type=int, default=4, help="gloo processes (default 4)")
@@ -51,10 +55,16 @@ def register(sub) -> None:
                       help="emulated device time: F of one rank's layer share in ms, B and W by "
                            "the H100 ratios 1 : 1.39 : 0.35 (default 40)")
     demo.add_argument("--no-emulate", action="store_true",
-                      help="skip the emulated-device runs (CPU times only)")
+                      help="skip the emulated-device runs (CPU times only; no layout runs)")
+    demo.add_argument("--head-layers", type=float, default=2.0, metavar="K",
+                      help="the heavy-head case: the LM head and loss emulated as K layers "
+                           "on the V's last stage, V-ZB run with the even and a balanced stage "
+                           "layout (default 2, about Llama-3-8B's head; 0: skip)")
     demo.add_argument("--output-dir", "-o", default="vshape-demo",
-                      help="where timelines and demo.json go (default ./vshape-demo)")
-    demo.add_argument("--json", action="store_true", help="one JSON object per schedule")
+                      help="where timelines, demo.json and layouts.json go (default "
+                           "./vshape-demo)")
+    demo.add_argument("--json", action="store_true",
+                      help="one JSON object per schedule, then per stage layout")
     demo.set_defaults(handler=_demo)
 
 
@@ -92,7 +102,8 @@ def demo_settings(args):
     MemoryLimit.parse(args.memory_limit, "--memory-limit")  # fail before any work
     kwargs = dict(ranks=args.ranks, microbatches=args.microbatches, steps=args.steps,
                   memory_limit=args.memory_limit,
-                  emulate_ms=None if args.no_emulate else args.emulate_ms)
+                  emulate_ms=None if args.no_emulate else args.emulate_ms,
+                  head_layers=args.head_layers)
     if args.model:
         kwargs["model"] = _tiny_from_config(args.model)
     return DemoSettings(**kwargs), ["1f1b"] + [n for n in names if n != "1f1b"]
@@ -117,24 +128,31 @@ def _demo(args) -> int:
         if missing:
             print(f"megatron-core: {' and '.join(missing)} not installed, using its local torch "
                   f"fallbacks (fine on CPU; their warnings are hidden)", file=sys.stderr)
-        with tqdm(total=len(names), desc="training under each schedule", unit="schedule",
+        total = len(names) + len(settings.stage_layouts())
+        with tqdm(total=total, desc="training under each schedule, then layout", unit="run",
                   disable=args.json) as progress:
             def done(name):
                 progress.set_postfix_str(f"{name} done")
                 progress.update()
-            runs = run_schedules(settings, names, on_done=done)
+            result = run_schedules(settings, names, on_done=done)
+    runs = result.schedules
     rows = _rows(settings, runs)
+    by_layout = layout_rows(settings, result.layouts, runs["1f1b"])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pictures = _pictures(settings, runs, rows, out)
+    pictures = _pictures(settings, runs, rows, out) + _layout_pictures(settings, result.layouts,
+                                                                       by_layout, out)
     (out / "demo.json").write_text(json.dumps(rows, indent=1))
+    (out / "layouts.json").write_text(json.dumps(by_layout, indent=1))
     if args.json:
-        for row in rows:
+        for row in rows + by_layout:
             print(json.dumps(row))
     else:
         _print_table(settings, rows, runs)
-        print(f"wrote {len(pictures)} timelines and demo.json to {out}/")
-    return 0 if all(r["max_loss_diff"] < 1e-5 and r["max_grad_diff"] < 1e-5 for r in rows) else 1
+        _print_layouts(settings, by_layout)
+        print(f"wrote {len(pictures)} timelines, demo.json and layouts.json to {out}/")
+    return 0 if all(r["max_loss_diff"] < 1e-5 and r["max_grad_diff"] < 1e-5
+                    for r in rows + by_layout) else 1
 
 
 def _rows(settings, runs) -> list[dict]:
@@ -187,6 +205,68 @@ def _emulated_columns(settings, emulated) -> dict:
             "simulated_makespan_s": makespan,
             "emulated_vs_simulated": emulated.step_seconds / makespan,
             "emulated_schedule": emulated.last_schedule.description}
+
+
+def layout_rows(settings, layouts, ref) -> list[dict]:
+    """Per stage layout of the heavy-head case: losses against 1F1B's, rank loads, the
+    emulated step against the simulator's makespan of the same schedule and per-stage costs."""
+    from ..schedule import simulate
+
+    rows = []
+    for layout in layouts:
+        run = layout.run
+        loss_diff, grad_diff = _max_diffs((run,), ref)
+        makespan = simulate(run.last_schedule, layout.costs).makespan
+        placement = run.last_schedule.placement
+        rows.append({
+            "layout": layout.label, "schedule": run.schedule, "stage_layers": list(
+                layout.stage_layers), "head_layers": settings.head_layers,
+            "rank_loads": [sum(layout.stage_layers[placement.stage_of(r, c)] for c in (0, 1))
+                           + (settings.head_layers if r == 0 else 0)
+                           for r in range(settings.ranks)],
+            "max_loss_diff": loss_diff, "max_grad_diff": grad_diff,
+            "emulated_costs": layout.costs.as_list(),
+            "emulated_step_time_s": run.step_seconds, "simulated_makespan_s": makespan,
+            "emulated_vs_simulated": run.step_seconds / makespan,
+            "emulated_schedule": run.last_schedule.description})
+    even = rows[0] if rows else None
+    for row in rows:
+        row["emulated_vs_even"] = row["emulated_step_time_s"] / even["emulated_step_time_s"]
+        row["simulated_vs_even"] = row["simulated_makespan_s"] / even["simulated_makespan_s"]
+    return rows
+
+
+def _print_layouts(settings, rows) -> None:
+    """The heavy-head case: one line per stage layout."""
+    if not rows:
+        return
+    p = settings.ranks
+    print(f"\nheavy LM head: stage {2 * p - 1} (rank 0) emulated as {settings.head_layers:g} "
+          f"layers more, one layer's F, B, W = "
+          f"{', '.join(f'{1000 * x:.3g}' for x in settings.layer_costs())} ms; "
+          f"{rows[0]['schedule']} built for each layout's per-stage costs")
+    stages = max([16] + [len(" ".join(map(str, r["stage_layers"]))) for r in rows]) + 2
+    loads = max([10] + [len(_loads(r)) for r in rows]) + 2
+    head = (f"{'layout':<10}{'layers per stage':<{stages}}{'rank loads':<{loads}}{'|dloss|':>9}"
+            f"{'|dgrad|':>10} |{'step ms':>9}{'sim. ms':>9}{'ratio':>7} |{'vs even: step':>14}"
+            f"{'sim.':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['layout']:<10}{' '.join(map(str, r['stage_layers'])):<{stages}}"
+              f"{_loads(r):<{loads}}{r['max_loss_diff']:>9.1e}{r['max_grad_diff']:>10.1e} |"
+              f"{1000 * r['emulated_step_time_s']:>9.1f}{1000 * r['simulated_makespan_s']:>9.1f}"
+              f"{r['emulated_vs_simulated']:>7.3f} |{r['emulated_vs_even']:>14.3f}"
+              f"{r['simulated_vs_even']:>6.3f}")
+    print("rank loads: layers per rank, the head counted on rank 0; step ms: emulated device, "
+          "sim. ms: the simulator\n  with the same per-stage costs (Costs.for_stages); "
+          "|dloss|, |dgrad|: against 1F1B, as above")
+    if len(rows) == 1:
+        print("  (the even layout is already balanced for this head)")
+
+
+def _loads(row) -> str:
+    return " ".join(f"{x:g}" for x in row["rank_loads"])
 
 
 def _measured_costs(settings, runs):
@@ -278,6 +358,16 @@ def _pictures(settings, runs, rows, out: Path) -> list[Path]:
                     f"{row['emulated_vs_simulated']:.2f} of simulated")
             written.append(_picture(settings, name, run.emulated, out / f"{name}-emulated", note))
     return written
+
+
+def _layout_pictures(settings, layouts, rows, out: Path) -> list[Path]:
+    """Per stage layout of the heavy-head case, its emulated run's measured timeline."""
+    return [_picture(settings, layout.run.schedule, layout.run,
+                     out / f"{layout.run.schedule}-{layout.label}-layout",
+                     f"{layout.label} layout {' '.join(map(str, layout.stage_layers))}, head "
+                     f"{settings.head_layers:g} layers, {row['emulated_vs_simulated']:.2f} of "
+                     "simulated")
+            for layout, row in zip(layouts, rows)]
 
 
 def _picture(settings, name, run, stem: Path, note: str) -> Path:

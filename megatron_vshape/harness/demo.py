@@ -15,6 +15,10 @@ and messaging, not a device. So each schedule also runs a few steps with emulate
 runtime's emulated-cost mode: every pass lasts at least its F, B or W, from the F : B : W
 ratios measured on an H100), which the simulator's makespan predicts. Megatron's own 1F1B
 cannot be slowed per pass, so the emulated 1F1B is the same order run by our runtime.
+
+Last, the heavy-head case (:mod:`.head_layouts`): V-ZB with the even stage layout and with a
+balanced one, each stage emulated by its layers and stage 2p-1 by the LM head's cost in layers
+more, so the balanced layout's shorter step shows in measured time beside the simulator's.
 """
 from __future__ import annotations
 
@@ -23,11 +27,13 @@ import time
 from dataclasses import dataclass, field
 
 from ..schedule.names import PLUGIN_SCHEDULES
+from .head_layouts import LAYOUT_SCHEDULE, emulated_stage_costs, stage_layouts
 from .pipeline_world import (forward_progress, model_parallel, no_gc_pauses, placed_chunks,
                              two_chunks)
 from .tiny_gpt import TinyGPT
 
-__all__ = ["DemoSettings", "ScheduleRun", "run_schedules", "DEMO_SCHEDULES", "DEVICE_RATIOS"]
+__all__ = ["DemoSettings", "ScheduleRun", "LayoutRun", "DemoRuns", "run_schedules",
+           "DEMO_SCHEDULES", "DEVICE_RATIOS"]
 
 DEMO_SCHEDULES = ("1f1b",) + PLUGIN_SCHEDULES
 """megatron's 1F1B, the reference, and every schedule the plugin runs."""
@@ -63,6 +69,10 @@ class DemoSettings:
     timed, and the fastest of them is reported: the sleeps set a floor that host noise only
     adds to, and one timed step on a loaded 2-core machine came out 11% over). Fixed costs,
     no re-planning."""
+    head_layers: float = 2.0
+    """The heavy-head case (head_layouts.py): the LM head and loss emulated as costing this
+    many transformer layers on stage 2p-1, V-ZB run with the even and a balanced stage layout
+    (needs emulate_ms); 0: no such runs. Why 2: Llama-3-8B's head against its layers."""
 
     def __post_init__(self) -> None:
         if self.ranks < 2:
@@ -74,6 +84,9 @@ class DemoSettings:
             raise ValueError(f"--emulate-ms must be > 0 milliseconds, got {self.emulate_ms}")
         if self.emulate_steps < 1:
             raise ValueError(f"emulate_steps must be >= 1, got {self.emulate_steps}")
+        if not self.head_layers >= 0:
+            raise ValueError(f"--head-layers must be >= 0 layers (0: no stage-layout runs), "
+                             f"got {self.head_layers}")
         if self.model.num_layers < 2 * self.ranks:
             raise ValueError(f"the model has {self.model.num_layers} layers; a V on "
                              f"{self.ranks} ranks needs >= {2 * self.ranks}: lower --ranks")
@@ -85,6 +98,23 @@ class DemoSettings:
         from ..schedule.model.costs import Costs
 
         return Costs.build(self.ranks, *(self.emulate_ms / 1000 * r for r in DEVICE_RATIOS))
+
+    def stage_layouts(self) -> dict[str, tuple[int, ...]]:
+        """The heavy-head case's layouts by label (``even``, ``balanced``); none without
+        emulated runs or with ``head_layers`` 0."""
+        if self.emulate_ms is None or self.head_layers == 0:
+            return {}
+        return stage_layouts(self.model.num_layers, self.ranks, self.head_layers)
+
+    def layer_costs(self) -> tuple[float, float, float]:
+        """One transformer layer's emulated F, B, W in seconds: ``emulate_ms`` over a rank's
+        even share of the layers, B and W by DEVICE_RATIOS."""
+        layer_f = self.emulate_ms / 1000 * self.ranks / self.model.num_layers
+        return tuple(layer_f * r for r in DEVICE_RATIOS)
+
+    def layout_costs(self, stage_layers):
+        """Per-stage emulated costs (schedule.Costs) of ``stage_layers`` with the heavy head."""
+        return emulated_stage_costs(stage_layers, self.layer_costs(), self.head_layers)
 
 
 @dataclass
@@ -107,7 +137,8 @@ class ScheduleRun:
     plans: list = field(default_factory=list)
     """auto: (iterations before, schedule description) of each plan."""
     costs: object = None
-    """Measured F, B, W per rank (schedule.Costs) where the schedule splits B and W."""
+    """Measured F, B, W per stage (schedule.Costs, stage_costs_of) where the schedule splits
+    B and W."""
     last_schedule: object = None
     """The schedule that ran last (None for megatron's own 1F1B)."""
     emulated: "ScheduleRun | None" = None
@@ -115,10 +146,33 @@ class ScheduleRun:
     the emulated costs; for 1f1b, the 1F1B order run by our runtime."""
 
 
-def run_schedules(settings: DemoSettings, schedules, on_done=None) -> dict[str, ScheduleRun]:
-    """Train ``settings.steps`` iterations under each schedule, one after the other, on one
-    world of local gloo processes (spawning costs seconds, so the schedules share it).
-    ``on_done(name)`` is called as each schedule finishes (progress)."""
+@dataclass
+class LayoutRun:
+    """The heavy-head case under one stage layout (emulated device time only)."""
+
+    label: str
+    """``even`` or ``balanced``."""
+    stage_layers: tuple
+    """Transformer layers per V stage, stage 0 first."""
+    costs: object
+    """The per-stage emulated costs (schedule.Costs.for_stages) it was built for and slowed to."""
+    run: ScheduleRun
+
+
+@dataclass
+class DemoRuns:
+    """Everything one demo world ran."""
+
+    schedules: dict
+    """{schedule name: ScheduleRun}, 1f1b first."""
+    layouts: list = field(default_factory=list)
+    """LayoutRun per stage layout of the heavy-head case (empty when not run)."""
+
+
+def run_schedules(settings: DemoSettings, schedules, on_done=None) -> DemoRuns:
+    """Train ``settings.steps`` iterations under each schedule, one after the other, then the
+    heavy-head case's layouts, on one world of local gloo processes (spawning costs seconds,
+    so the runs share it). ``on_done(name)`` is called as each run finishes (progress)."""
     import torch.multiprocessing as mp
 
     from ..runtime.launch import run_gloo
@@ -127,13 +181,19 @@ def run_schedules(settings: DemoSettings, schedules, on_done=None) -> dict[str, 
     prepare_cpu_imports()  # the ranks' results hold megatron objects: unpickled here
 
     done = mp.get_context("spawn").Queue()
-    with forward_progress(done, on_done, len(schedules)):
+    layouts = settings.stage_layouts()
+    with forward_progress(done, on_done, len(schedules) + len(layouts)):
         outcomes = run_gloo(_worker, settings.ranks, settings, tuple(schedules), done,
                             timeout=1800)
     failed = [o for o in outcomes if not o.ok]
     if failed:
         raise RuntimeError(f"rank {failed[0].rank} failed: {failed[0].error}")
-    return {name: _merge(name, [o.value[name] for o in outcomes]) for name in schedules}
+    return DemoRuns(
+        schedules={name: _merge(name, [o.value[name] for o in outcomes]) for name in schedules},
+        layouts=[LayoutRun(label, layers, settings.layout_costs(layers),
+                           _merge(LAYOUT_SCHEDULE, [o.value["layouts"][label] for o in outcomes],
+                                  min))
+                 for label, layers in layouts.items()])
 
 
 def _merge(schedule: str, values: list, statistic=statistics.median) -> ScheduleRun:
@@ -195,21 +255,31 @@ def _worker(rank: int, world: int, settings: DemoSettings, schedules, done) -> d
                 settings, *_build(settings, schedule, groups, costs), settings.emulate_steps)
         if rank == 0:
             done.put(schedule)
+    out["layouts"] = {}
+    for label, layers in settings.stage_layouts().items():
+        layout = model_parallel(settings.ranks, True, layout)
+        costs = settings.layout_costs(layers)
+        out["layouts"][label] = _train(
+            settings, *_build(settings, LAYOUT_SCHEDULE, groups, costs, layers),
+            settings.emulate_steps)
+        if rank == 0:
+            done.put(f"{label} layout")
     ps.destroy_model_parallel()
     return out
 
 
-def _build(settings: DemoSettings, schedule: str, groups: dict, emulate=None):
-    """This rank's chunks (placement of ``schedule``) and its forward-backward function (ours
-    use and fill the shared stream ``groups``); with ``emulate`` (Costs), ours built for and
-    slowed to those costs, never re-planned (1f1b too: megatron's own has no per-pass hook to
-    sleep in; auto under a byte limit keeps its provisional V-Min, as nothing measures bytes)."""
+def _build(settings: DemoSettings, schedule: str, groups: dict, emulate=None, stage_layers=None):
+    """This rank's chunks (placement of ``schedule``; a V's ``stage_layers`` per stage, None
+    for the even split) and its forward-backward function (ours use and fill the shared stream
+    ``groups``); with ``emulate`` (Costs), ours built for and slowed to those costs, never
+    re-planned (1f1b too: megatron's own has no per-pass hook to sleep in; auto under a byte
+    limit keeps its provisional V-Min, as nothing measures bytes)."""
     from ..megatron.forward_backward import VShapeForwardBackward
     from .tiny_gpt import init_by_name
 
     chunks = placed_chunks(settings.model.provider(settings.tied),
                            settings.model.transformer_config(settings.ranks), schedule,
-                           settings.ranks)
+                           settings.ranks, stage_layers)
     init_by_name(chunks, settings.tied)
     if schedule == "1f1b" and emulate is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -40,11 +40,12 @@ def model_parallel(ranks: int, v_layout: bool, current: bool | None) -> bool:
     return v_layout
 
 
-def placed_chunks(provider, config, schedule: str, ranks: int) -> list:
-    """This rank's model chunks under ``schedule``'s placement (a V's two, or megatron's one
-    per rank), seeded alike for every schedule; zb-1p's weight gradients deferred to W (the V
-    chunks defer theirs as they are built). The weights are the provider's: callers give every
-    schedule the same ones (tiny_gpt.init_by_name)."""
+def placed_chunks(provider, config, schedule: str, ranks: int, stage_layers=None) -> list:
+    """This rank's model chunks under ``schedule``'s placement (a V's two, with
+    ``stage_layers`` per V stage, None for the even split; or megatron's one per rank), seeded
+    alike for every schedule; zb-1p's weight gradients deferred to W (the V chunks defer theirs
+    as they are built). The weights are the provider's: callers give every schedule the same
+    ones (tiny_gpt.init_by_name)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -54,7 +55,10 @@ def placed_chunks(provider, config, schedule: str, ranks: int) -> list:
 
     model_parallel_cuda_manual_seed(123)
     if two_chunks(schedule):
-        return build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group())
+        return build_v_chunks(provider, config, ps.get_pipeline_model_parallel_group(),
+                              stage_layers=stage_layers)
+    if stage_layers is not None:
+        raise ValueError(f"stage_layers place a V's stages; {schedule} runs one chunk per rank")
     rank = ps.get_pipeline_model_parallel_rank()
     chunk = provider(config=config, pre_process=rank == 0, post_process=rank == ranks - 1)
     if schedule == "zb-1p":

@@ -93,7 +93,8 @@ class VShapeForwardBackward:
     """Synchronize the GPU around passes (accurate profiles, slower steps)."""
     emulate: Costs | None = None
     """Emulated device time (runtime/interpreter.py's emulated-cost mode): every compute pass
-    lasts at least its share of these per-rank F, B, W seconds. Processes sharing a few CPU
+    lasts at least its time under these costs (per rank, each chunk half of it, or per stage:
+    ``Costs.for_stages``, as the demo's stage layouts use). Processes sharing a few CPU
     cores then behave like one device each, so step times measure the schedule (comparable with
     ``simulate(schedule, emulate).makespan``) instead of Python and messaging overhead."""
     stream_groups: dict = field(default_factory=dict, repr=False)
@@ -172,8 +173,12 @@ class VShapeForwardBackward:
         return stages.forward_data_store
 
     def measured_costs(self, num_microbatches: int, pg_collection=None, comm: float = 0.0):
-        """The profiled per-rank F, B, W (seconds) of the steps run so far, as schedule Costs
-        (collective over the pipeline group): what ``auto`` re-plans from."""
+        """The profiled F, B, W (seconds) of every pipeline stage over the steps run so far, as
+        per-stage schedule Costs (``Costs.for_stages``: each stage's own pass times, the
+        per-rank fields their sums, the uniform form where every stage costs the same;
+        collective over the pipeline group): what ``auto``
+        re-plans from, so a rank whose stages hold more (rank 0's LM head under a V) weighs
+        as much as it costs."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups()

@@ -30,9 +30,10 @@ only code here that imports ``megatron.training``; the script calls it before pr
     training.load_checkpoint
               refuses distributed-optimizer state of another chunk layout (checkpoints.py)
     training.report_theoretical_memory
-              the V's activation memory (its simulated peak relative to 1F1B), not the
+              the V's activation memory (its simulated peak relative to 1F1B, each stage's
+              activations weighted by its layers, args.vshape_stage_layers), not the
               interleaved schedule's penalty that virtual_pipeline_model_parallel_size = 2
-              would otherwise select
+              would otherwise select; weights of the rank holding the most layers
     get_forward_backward_func
               megatron_vshape.install(): our schedules, losses relayed to the last pipeline
               rank where Megatron-LM's loop logs them
@@ -257,9 +258,13 @@ def _delayed_wgrad_ddp_config(base):
     return VShapeDDPConfig
 
 
-def v_activation_ratio(schedule_name: str, ranks: int, microbatches: int) -> float:
-    """Peak activation memory of the schedule that runs, relative to 1F1B's (the simulator's
-    units): the plan ``auto`` re-planned to when it has run, else the schedule by name."""
+def v_activation_ratio(schedule_name: str, ranks: int, microbatches: int,
+                       stage_layers=None) -> float:
+    """Peak activation memory of the schedule that runs, relative to 1F1B's with the layers
+    split evenly (megatron's estimate): the plan ``auto`` re-planned to when it has run, else
+    the schedule by name. ``stage_layers`` (the layers of each V stage,
+    ``args.vshape_stage_layers``) weight each stage's activations by its layers, so a rank
+    given more layers peaks higher; None (or an even split) is the simulator's own ratio."""
     from megatron.core import pipeline_parallel
 
     from ..schedule.registry import build_schedule
@@ -268,12 +273,43 @@ def v_activation_ratio(schedule_name: str, ranks: int, microbatches: int) -> flo
     running = getattr(pipeline_parallel.get_forward_backward_func(), "last_schedule", None)
     if running is None or (running.ranks, running.microbatches) != (ranks, microbatches):
         running = build_schedule(schedule_name, ranks, microbatches)
-    return simulate(running).peak_memory_vs_1f1b
+    if stage_layers is None:
+        return simulate(running).peak_memory_vs_1f1b
+    one_f_one_b = sum(stage_layers) / ranks * min(ranks, microbatches)  # rank 0's, in layers
+    return max(_layer_weighted_peak(running, stage_layers, r) for r in range(ranks)) \
+        / one_f_one_b
+
+
+def _layer_weighted_peak(schedule, stage_layers, rank: int) -> float:
+    """``rank``'s peak activations in layer-microbatches: the simulator's memory model
+    (MemoryModel: what F, B and W keep and free), each pass weighted by its stage's layers."""
+    import itertools
+
+    from ..schedule.model.costs import MemoryModel
+
+    deltas = MemoryModel().deltas
+    steps = (deltas[a.kind] * stage_layers[a.stage] for a in schedule.compute_actions(rank))
+    return max(itertools.chain((0.0,), itertools.accumulate(steps)))
+
+
+def _most_loaded_layers(args) -> int | None:
+    """``num_layers`` for megatron's weight formula (it counts num_layers / PP layers and the
+    embedding on its most loaded rank): PP times the most layers any rank holds under the V's
+    stage layout, an upper bound where rank 0, which holds the embedding, holds fewer; None
+    without a layout or where megatron's formula reads a per-layer list (--moe-layer-freq as
+    a list), which another num_layers would not fit."""
+    layers = getattr(args, "vshape_stage_layers", None)
+    if not layers or isinstance(getattr(args, "moe_layer_freq", 1), list):
+        return None
+    p = args.pipeline_model_parallel_size
+    return p * max(layers[r] + layers[2 * p - 1 - r] for r in range(p))
 
 
 def _v_theoretical_memory(original):
     """report_theoretical_memory for V schedules: megatron's formulas for 1F1B (the
-    non-interleaved accounting), activations scaled by :func:`v_activation_ratio`."""
+    non-interleaved accounting), activations scaled by :func:`v_activation_ratio` of the V's
+    stage layers, weights counted for the rank with the most layers
+    (:func:`_most_loaded_layers`)."""
     if getattr(original, "vshape_original", None) is not None:
         return original
 
@@ -285,13 +321,16 @@ def _v_theoretical_memory(original):
 
         one_chunk = copy.copy(args)
         one_chunk.virtual_pipeline_model_parallel_size = None
+        most_loaded = copy.copy(one_chunk)
+        most_loaded.num_layers = _most_loaded_layers(args) or args.num_layers
         mib = usage.NUM_BYTES_IN_MEGABYTE
-        weights = usage.compute_weight_and_optimizer_memory(one_chunk) / mib
+        weights = usage.compute_weight_and_optimizer_memory(most_loaded) / mib
         activations = (usage.compute_activation_memory if args.sequence_parallel and
                        args.recompute_granularity == "selective" else
                        usage.compute_activation_memory_without_sp)
         ratio = v_activation_ratio(args.pipeline_schedule, args.pipeline_model_parallel_size,
-                                   num_microbatches or args.pipeline_model_parallel_size)
+                                   num_microbatches or args.pipeline_model_parallel_size,
+                                   getattr(args, "vshape_stage_layers", None))
         activation = activations(one_chunk, num_microbatches=num_microbatches) / mib * ratio
         print(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
               f"activation={activation:.2f} MB, total={weights + activation:.2f} MB "

@@ -326,6 +326,18 @@ def _render_megatron(rows: list[dict]) -> list[str]:
                    "peak activations vs 1F1B", "simulated", "step s", "1F1B step s"], body)
 
 
+def _render_head_layouts(rows: list[dict]) -> list[str]:
+    body = [[_num(r["head_layers"], 0), r["layout"], " ".join(map(str, r["stage_layers"])),
+             " ".join(f"{x:g}" for x in r["rank_loads"]),
+             f"{max(r['max_loss_diff'], r['max_grad_diff']):.3g}",
+             _seconds(r["emulated_step_time_s"]), _seconds(r["simulated_makespan_s"]),
+             _num(r["emulated_vs_simulated"]), _num(r["emulated_vs_even"]),
+             _num(r["simulated_vs_even"])] for r in rows]
+    return _table(["head (layers)", "layout", "layers per stage", "rank loads (layers)",
+                   "max loss, grad diff vs 1F1B", "step s", "simulated step s",
+                   "step / simulated", "step vs even", "simulated vs even"], body)
+
+
 def _render_cooldown(rows: list[dict]) -> list[str]:
     names = [n for n in ("v-min", "v-half", "v-zb") if any(r["schedule"] == n for r in rows)]
     body = []
@@ -478,6 +490,15 @@ RUNS: tuple[Run, ...] = (
         "against megatron's 1F1B. Measured peak activations exceed the simulated ratio by rank "
         "0's logits and loss, which 1F1B keeps on its last rank for one microbatch only.",
         _render_megatron, timeout=1800, stack=("torch", "megatron-core")),
+    Run("head_layouts", "head_layouts.py", ("--head-layers", "2", "4"),
+        "A heavy LM head: even and balanced stage layouts (CPU, emulated device)",
+        "`vshape demo`'s heavy-head case (docs/demo.md): its tiny megatron-core GPT on 4 gloo "
+        "processes, 8 microbatches, the LM head and loss emulated as 2 or 4 layers on the V's "
+        "last stage (one layer: F, B, W = 20, 27.8, 7 ms), V-ZB built for and slowed to each "
+        "layout's per-stage costs (`Costs.for_stages`), with the even layout and a balanced one "
+        "(`harness/head_layouts.py`); losses and gradients against megatron's own 1F1B; step: "
+        "the fastest of 2 timed steps, slowest rank.",
+        _render_head_layouts, timeout=900, stack=("torch", "megatron-core")),
     Run("cooldown_gap", "cooldown_gap.py",
         ("--ranks", "4", "8", "16", "--per-rank", "4", "8", "--workers", "1"),
         "How far the cool-down is from the best one",
