@@ -14,16 +14,19 @@ from megatron_vshape.cli.demo import demo_settings  # noqa: E402
 
 @pytest.mark.gloo
 @pytest.mark.megatron_versions
+@pytest.mark.megatron_matrix
 def test_demo_trains_the_same_model_under_every_schedule(tmp_path, capsys):
     """p = 2 keeps it short; every schedule's losses and gradients must equal megatron's own
     1F1B (fp32, 1e-5; they come out bit-identical), auto must re-plan, pictures are written.
 
     Emulated device time (default F, B, W = 40, 55.6, 14 ms per rank's share): the fastest
-    timed step must take its simulated makespan within -10% / +15% (measured 1-3% on an idle
-    2-core machine; what the sleeps cannot hide is host work and message latency, 5-15 ms a
-    step there, but 61 ms, +11%, once on a loaded CI machine when only one step was timed), so
-    V-ZB's step is shorter than 1F1B's (simulated 473 vs 548 ms here), which the CPU column
-    does not show.
+    timed step takes at least 0.9 of its simulated makespan (the sleeps set that floor) and,
+    as a guard against an emulation that stops sleeping per pass, under 1.6 of it: the
+    measured ratio is 1.01-1.03 on an idle 2-core machine (what the sleeps cannot hide is host
+    work and message latency, 5-15 ms a step), but 1.3-1.5 under a load average of 15-30, so
+    how close it comes is a benchmark's number (scripts/bench/head_layouts.py, docs/demo.md),
+    not this test's. V-ZB's step is shorter than 1F1B's (simulated 473 vs 548 ms here), which
+    the CPU column does not show.
 
     The heavy-head case (LM head emulated as 6 layers on stage 3): V-ZB with the even layout
     (2 2 2 2, rank loads 10 and 4) and the balanced one (1 4 3 0, loads 7 and 7) trains the same
@@ -44,7 +47,7 @@ def test_demo_trains_the_same_model_under_every_schedule(tmp_path, capsys):
         assert row["peak_activation_vs_1f1b"] <= row["simulated_peak_vs_1f1b"] + 0.1
         assert 0 <= row["simulated_bubble"] < 1 and row["step_time_s"] > 0
         assert row["emulated_costs"] == pytest.approx([0.04, 0.0556, 0.014, 0.0])
-        assert 0.90 < row["emulated_vs_simulated"] < 1.15, row
+        assert 0.90 < row["emulated_vs_simulated"] < 1.6, row
         assert row["emulated_vs_simulated"] == pytest.approx(
             row["emulated_step_time_s"] / row["simulated_makespan_s"])
     by = {r["schedule"]: r for r in rows}
