@@ -16,7 +16,9 @@ from pathlib import Path
 
 from .ui import subcommand
 
-__all__ = ["register"]
+__all__ = ["PIPELINES", "register", "pipeline_runs"]
+
+PIPELINES = ("even", "uneven")
 
 
 def register(sub) -> None:
@@ -28,8 +30,10 @@ def register(sub) -> None:
         description="Train a megatron-core GPT on 4 gloo processes sharing one device under "
                     "1f1b (our runtime, the reference), zb-1p, v-min, v-half, v-zb and auto; "
                     "write report.json and report.md (losses against the reference, peak "
-                    "bytes per rank against the planner's prediction, the machine). On CUDA, "
-                    "bf16 then fp32, then per-layer profiles of the paper's models.")
+                    "bytes per rank against the planner's prediction, the machine); then the "
+                    "uneven run: a 4x vocabulary and the V schedules on an uneven V stage "
+                    "layout, against the planner's per-stage prediction. On CUDA, bf16 (even, "
+                    "uneven) then fp32 (even), then per-layer profiles of the paper's models.")
     p.add_argument("--output", "-o", required=True, metavar="DIR",
                    help="folder for report.json, report.md and the profiles")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -38,6 +42,10 @@ def register(sub) -> None:
                    help="the bundled tiny GPT (seconds; what CI runs with --device cpu); skips "
                         "the fp32 rerun and the profiles")
     p.add_argument("--no-fp32", action="store_true", help="CUDA: skip the fp32 pipeline run")
+    p.add_argument("--pipelines", choices=PIPELINES, nargs="+", default=list(PIPELINES),
+                   help="which pipeline runs: even (every schedule, even stages) and uneven "
+                        "(4x vocabulary, V schedules on an uneven V stage layout, first dtype "
+                        "only: bf16 on CUDA); default both")
     p.add_argument("--no-profile", action="store_true",
                    help="CUDA: skip the per-layer profiles of the paper's models")
     p.add_argument("--profile-budget", type=float, default=180.0, metavar="SECONDS",
@@ -49,6 +57,8 @@ def _command(args, device: str) -> str:
     words = ["vshape", "gpu-check", "--output", args.output, "--device", device]
     words += [flag for flag, on in (("--tiny", args.tiny), ("--no-fp32", args.no_fp32),
                                     ("--no-profile", args.no_profile)) if on]
+    if tuple(args.pipelines) != PIPELINES:
+        words += ["--pipelines", *args.pipelines]
     if device == "cuda" and not (args.tiny or args.no_profile):
         words += ["--profile-budget", f"{args.profile_budget:g}"]
     return shlex.join(words)
@@ -74,10 +84,20 @@ def dtypes(device: str, tiny: bool, no_fp32: bool) -> list[str]:
     return ["bfloat16"] + ([] if tiny or no_fp32 else ["float32"])
 
 
+def pipeline_runs(device: str, tiny: bool, no_fp32: bool, pipelines) -> list[tuple[str, str]]:
+    """``(pipeline, dtype)`` in the order they run: the even pipeline per dtype, the uneven
+    one after the first dtype's (bf16 on CUDA, so the lent GPU's minutes go to it first)."""
+    runs = []
+    for index, dtype in enumerate(dtypes(device, tiny, no_fp32)):
+        runs += [(name, dtype) for name in PIPELINES
+                 if name in pipelines and (name == "even" or index == 0)]
+    return runs
+
+
 def _gpu_check(args) -> int:
     from tqdm import tqdm
 
-    from ..harness.gpu_check import check_settings, run_check
+    from ..harness.gpu_check import check_settings, run_check, uneven_settings
     from ..harness.gpu_report import machine, pipeline_report
 
     began = time.perf_counter()
@@ -86,11 +106,12 @@ def _gpu_check(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": _command(args, device), "machine": machine(device),
               "pipelines": [], "profiles": [], "passed": True, "complete": False}
-    for dtype in dtypes(device, args.tiny, args.no_fp32):
-        settings = check_settings(device, args.tiny, dtype)
+    for pipeline, dtype in pipeline_runs(device, args.tiny, args.no_fp32, args.pipelines):
+        settings = (check_settings if pipeline == "even" else uneven_settings)(
+            device, args.tiny, dtype)
         start = time.perf_counter()
         with tqdm(total=len(settings.schedules), unit="schedule",
-                  desc=f"{device} {dtype} pipeline") as progress:
+                  desc=f"{device} {dtype} {pipeline} pipeline") as progress:
             runs = run_check(settings, on_done=lambda name: progress.update())
         report["pipelines"].append(pipeline_report(settings, runs, time.perf_counter() - start))
         _write_report(out, report, began)

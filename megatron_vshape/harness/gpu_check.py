@@ -18,12 +18,24 @@ CPU and CUDA run the same code; only device, dtype and sizes differ (:func:`chec
   :class:`..runtime.memory.ActivationTracker` (what tests/plan/test_plan_memory.py and ``vshape demo``
   measure). The tracker runs on CUDA too and is reported beside the allocator's peak.
 
+The uneven-stage run (:func:`uneven_settings`, issue 48): the same shape with a 4x vocabulary,
+so rank 0's LM head weighs several layers, and the V schedules on a V stage layout that gives
+rank 0 fewer layers (:data:`UNEVEN_STAGE_LAYERS`)::
+
+    stage   0  1  2  3  4  5  6  7        rank    0        1    2    3
+    layers  1  2  2  3  3  2  2  1        holds   1+1+head 2+2  2+2  3+3
+
+The 1F1B reference runs megatron's even one-chunk split: the model is the same, only its
+placement differs, so the losses still compare; the planner predicts each V rank's bytes
+for that layout (per stage, :meth:`..plan.evaluate.Evaluator.activation_bytes`).
+
 The reference is our runtime's 1F1B, not megatron's own: megatron's p2p would need NCCL here.
 Embeddings are untied, so no gradient crosses ranks (gloo's all-reduce of a CUDA tensor is one
 more thing that could differ by torch build).
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -35,12 +47,20 @@ from .pipeline_world import (forward_progress, model_parallel, no_gc_pauses, pla
                              two_chunks)
 from .tiny_gpt import TinyGPT
 
-__all__ = ["CHECK_SCHEDULES", "DEVICES", "DTYPES", "CheckSettings", "ScheduleCheck",
-           "check_settings", "run_check", "loss_tolerance"]
+__all__ = ["CHECK_SCHEDULES", "DEVICES", "DTYPES", "UNEVEN_SCHEDULES", "UNEVEN_STAGE_LAYERS",
+           "CheckSettings", "ScheduleCheck", "check_settings", "uneven_settings", "run_check",
+           "loss_tolerance"]
 
 CHECK_SCHEDULES = ("1f1b",) + PLUGIN_SCHEDULES
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
+UNEVEN_STAGE_LAYERS = (1, 2, 2, 3, 3, 2, 2, 1)
+"""The uneven run's layers per V stage (PP 4, 16 layers): rank 0 keeps 2 layers beside the
+embedding and the heavy LM head, rank 3 takes 6 (a layout the planner's search gives a head
+of about 4 layers, the GPU model's at a 131072 vocabulary)."""
+UNEVEN_SCHEDULES = ("1f1b", "v-min", "v-half", "v-zb")
+"""The uneven run: the reference and the fixed V schedules (auto and zb-1p need no second
+look: auto re-plans the same V orders, zb-1p holds one chunk per rank)."""
 
 GPU_MODEL = ModelConfig(
     name="gpu-check", num_layers=16, hidden_size=2048, num_attention_heads=16,
@@ -96,6 +116,9 @@ class CheckSettings:
     """Run in this order; the first must be ``1f1b`` (the reference)."""
     timeout: float = 300.0
     """Seconds any point-to-point wait may take."""
+    stage_layers: tuple[int, ...] | None = None
+    """Layers per V stage (2 x ranks, stage order) for the V schedules; None: the even split.
+    One-chunk schedules (1f1b, zb-1p) always run megatron's even split."""
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -112,6 +135,25 @@ class CheckSettings:
         if bad or self.schedules[:1] != ("1f1b",):
             raise ValueError(f"schedules must start with 1f1b (the reference) and name only "
                              f"{', '.join(CHECK_SCHEDULES)}; got {self.schedules}")
+        if self.stage_layers is not None:
+            self._check_stage_layers()
+
+    def _check_stage_layers(self) -> None:
+        layers = self.stage_layers
+        if len(layers) != 2 * self.ranks or sum(layers) != self.model.num_layers \
+                or min(layers) < 1:
+            raise ValueError(f"stage_layers {tuple(layers)} must give each of the V's "
+                             f"2 x {self.ranks} stages at least one layer, "
+                             f"{self.model.num_layers} in all")
+        if "auto" in self.schedules:
+            raise ValueError("stage_layers: auto re-plans on the even layout; run the fixed "
+                             "V schedules (v-min, v-half, v-zb) on an uneven one")
+
+    def layers_of(self, schedule: str):
+        """The stage layout ``schedule`` runs: ``stage_layers`` for a V, None (even) else."""
+        from .pipeline_world import two_chunks
+
+        return self.stage_layers if two_chunks(schedule) else None
 
     @property
     def tiny(self) -> TinyGPT:
@@ -162,6 +204,20 @@ def check_settings(device: str, tiny: bool, dtype: str | None = None, **override
         model, mbs = load_model_config("small").with_overrides(seq_length=256), 1
     model = model.with_overrides(untie_embeddings_and_output_weights=True)
     return CheckSettings(model, device, dtype, micro_batch_size=mbs, **overrides)
+
+
+def uneven_settings(device: str, tiny: bool, dtype: str | None = None, **overrides
+                    ) -> CheckSettings:
+    """The uneven-stage run (module doc): :func:`check_settings`' model at 16 layers and 4x its
+    vocabulary (GPU: 131072; tiny: 1024), :data:`UNEVEN_SCHEDULES` with the V schedules on
+    :data:`UNEVEN_STAGE_LAYERS`."""
+    even = check_settings(device, tiny, dtype)
+    model = even.model.with_overrides(
+        name=f"{even.model.name}-uneven", num_layers=sum(UNEVEN_STAGE_LAYERS),
+        vocab_size=4 * even.model.vocab_size)
+    overrides = {"schedules": UNEVEN_SCHEDULES, "stage_layers": UNEVEN_STAGE_LAYERS,
+                 **overrides}
+    return dataclasses.replace(even, model=model, **overrides)
 
 
 @dataclass
@@ -255,7 +311,7 @@ def _build(settings: CheckSettings, schedule: str, groups: dict):
 
     config = settings.transformer_config()
     chunks = placed_chunks(settings.tiny.provider(settings.tied), config, schedule,
-                           settings.ranks)
+                           settings.ranks, settings.layers_of(schedule))
     # every parameter in the run's dtype, norms too, as megatron's Float16Module does (keeps
     # the Parameter objects, so the W stores and hooks stay attached)
     chunks = [c.to(device=_device(settings), dtype=config.params_dtype) for c in chunks]

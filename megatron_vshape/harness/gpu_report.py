@@ -5,7 +5,7 @@ report's assembly is tested on machines without a GPU (tests/harness/test_gpu_ch
 lent GPU sends back is read the same way. Keys, per pipeline run (one per dtype)::
 
     device, dtype, memory_measure, loss_tolerance, memory_tolerance, model, ranks,
-    microbatches, micro_batch_size, steps, wall_seconds, passed,
+    microbatches, micro_batch_size, steps, stage_layers, wall_seconds, passed,
     schedules: [{schedule, ran, max_loss_diff, final_loss, peak_bytes, tracked_bytes,
                  predicted_bytes, predicted_kept_bytes, measured_vs_predicted, step_seconds,
                  loss_ok, memory_ok}]
@@ -13,7 +13,8 @@ lent GPU sends back is read the same way. Keys, per pipeline run (one per dtype)
 ``predicted_bytes`` is the planner's prediction of what ``peak_bytes`` measures: on CUDA the
 allocator's peak, so with the passes' scratch bytes (:class:`..plan.memory.Workspace`); on the
 CPU the tracker's, bytes kept for backward. ``predicted_kept_bytes`` is always the latter, the
-counterpart of ``tracked_bytes``.
+counterpart of ``tracked_bytes``. ``stage_layers``: the V schedules' layers per stage (the
+uneven run), null for the even split; the predictions are for the layout each schedule ran.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ bytes; what neither counts (receive buffers, the runtime's small tensors) is the
 REPORT_KEYS = ("command", "machine", "pipelines", "profiles", "passed", "complete",
                "wall_seconds")
 PIPELINE_KEYS = ("device", "dtype", "memory_measure", "loss_tolerance", "memory_tolerance",
-                 "model", "ranks", "microbatches", "micro_batch_size", "steps", "wall_seconds",
-                 "passed", "schedules")
+                 "model", "ranks", "microbatches", "micro_batch_size", "steps", "stage_layers",
+                 "wall_seconds", "passed", "schedules")
 SCHEDULE_KEYS = ("schedule", "ran", "max_loss_diff", "final_loss", "peak_bytes",
                  "tracked_bytes", "predicted_bytes", "predicted_kept_bytes",
                  "measured_vs_predicted", "step_seconds", "loss_ok", "memory_ok")
@@ -60,10 +61,11 @@ def machine(device: str) -> dict:
             "platform": platform.platform()}
 
 
-def predicted_bytes(settings, schedule, workspace: bool) -> list[float]:
+def predicted_bytes(settings, schedule, workspace: bool, stage_layers=None) -> list[float]:
     """The planner's per-rank activation bytes for ``schedule`` (a built Schedule: what ran)
-    on ``settings``' model, micro batch and dtype; ``workspace``: with the passes' scratch
-    bytes (the CUDA allocator's measure), else the bytes kept for backward (the tracker's)."""
+    on ``settings``' model, micro batch and dtype, with ``stage_layers`` per stage (None: the
+    even split); ``workspace``: with the passes' scratch bytes (the CUDA allocator's measure),
+    else the bytes kept for backward (the tracker's)."""
     from ..plan.candidates import GridPoint
     from ..plan.evaluate import Evaluator
     from ..plan.settings import ClusterConfig
@@ -71,7 +73,8 @@ def predicted_bytes(settings, schedule, workspace: bool) -> list[float]:
     evaluator = Evaluator(settings.model, settings.training(),
                           ClusterConfig(settings.ranks, 1000.0))
     point = GridPoint(1, 1, settings.ranks, settings.micro_batch_size, settings.microbatches)
-    return list(evaluator.activation_bytes(point, schedule, workspace))
+    return list(evaluator.activation_bytes(point, schedule, workspace,
+                                           stage_layers=stage_layers))
 
 
 def pipeline_report(settings, runs: dict, wall_seconds: float) -> dict:
@@ -87,15 +90,18 @@ def pipeline_report(settings, runs: dict, wall_seconds: float) -> dict:
             "memory_measure": settings.memory_measure, "loss_tolerance": tolerance,
             "memory_tolerance": memory, "model": model, "ranks": settings.ranks,
             "microbatches": settings.microbatches, "micro_batch_size": settings.micro_batch_size,
-            "steps": settings.steps, "wall_seconds": round(wall_seconds, 1),
+            "steps": settings.steps,
+            "stage_layers": None if settings.stage_layers is None else list(settings.stage_layers),
+            "wall_seconds": round(wall_seconds, 1),
             "passed": all(r["loss_ok"] and r["memory_ok"] for r in rows), "schedules": rows}
 
 
 def _row(settings, run, reference, tolerance: float, memory: float) -> dict:
     diff = max(abs(a - b) for got, want in zip(run.losses, reference.losses)
                for a, b in zip(sorted(got), sorted(want)))
-    predicted = predicted_bytes(settings, run.ran, workspace=settings.device == "cuda")
-    kept = predicted_bytes(settings, run.ran, workspace=False)
+    layers = settings.layers_of(run.schedule)
+    predicted = predicted_bytes(settings, run.ran, settings.device == "cuda", layers)
+    kept = predicted_bytes(settings, run.ran, False, layers)
     ratios = [m / p for m, p in zip(run.peak_bytes, predicted)]
     final = run.losses[-1]
     return {"schedule": run.schedule, "ran": run.ran.description, "max_loss_diff": diff,
@@ -131,6 +137,9 @@ def _pipeline_markdown(run: dict) -> list[str]:
             f"hidden {model['hidden_size']}, seq {model['seq_length']}), PP {run['ranks']}, "
             f"{run['microbatches']} microbatches of {run['micro_batch_size']}, "
             f"{run['steps']} steps, {run['wall_seconds']:.0f} s")
+    if run.get("stage_layers"):  # reports from before the uneven run lack the key
+        head += (f"; V stage layers {' '.join(map(str, run['stage_layers']))}, vocabulary "
+                 f"{model['vocab_size']} (1F1B: megatron's even split)")
     lines = [head, "",
              f"Losses against the 1F1B order run by our runtime (tolerance "
              f"{run['loss_tolerance']:g}); peak bytes per rank ({run['memory_measure']}) "

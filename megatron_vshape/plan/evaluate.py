@@ -302,13 +302,16 @@ class Evaluator:
                             tuple(c.layers for c in even))
 
     def activation_bytes(self, point: GridPoint, schedule, workspace: bool = True,
-                         recompute: str = "none") -> tuple[float, ...]:
+                         recompute: str = "none", stage_layers=None) -> tuple[float, ...]:
         """Per pipeline rank, the peak activation bytes of an already-built ``schedule`` (the
         one a run actually executed, e.g. what ``auto`` re-planned to) at ``point``: what
         ``vshape gpu-check`` compares with the bytes it measures (``workspace``: with the
         passes' scratch bytes, as the CUDA allocator sees them; without, the bytes kept for
-        backward, as the runtime's saved-tensor tracker sees them) under ``recompute``."""
-        shares = rank_shares(self.model, schedule.placement)
+        backward, as the runtime's saved-tensor tracker sees them) under ``recompute``;
+        ``stage_layers``: layers per global stage (the layout that ran), None for the even
+        one."""
+        shares = rank_shares(self.model, schedule.placement) if stage_layers is None else \
+            shares_by_rank(stages_from_counts(tuple(stage_layers)), schedule.placement)
         ranks = self.rank_memory(point, shares, single=False, recompute=recompute)
         return tuple(peak_activation_bytes(schedule, ranks.chunks, workspace))
 
