@@ -89,6 +89,14 @@ class Workspace:
     (the largest linear's; they run one at a time)."""
     head_forward: float = 0.0
     """The LM head's F: its 16-bit logits before the loss's fp32 copy (nothing in fp32)."""
+    head_backward: float = 0.0
+    """The LM head's B, above the level when it begins (the head's bytes still in it): in 16
+    bits the logits' gradient cast from the loss's fp32 one (e sbV/t), then the head's weight
+    gradient (e hV/t, computed in B) beside it once the fp32 one is freed; in fp32 the loss's
+    gradient reuses its softmax buffer, so only the weight gradient (4 hV/t). The probe
+    measured 128 MiB (bf16) and 272 MiB (fp32) at gpu-check's V = 32768, s = h = 2048
+    (docs/results/gpu-check/memory-probe.jsonl, ``"head": true``); below a layer's backward
+    scratch there, it sets the last stage's B peak once the vocabulary is large."""
 
 
 @dataclass(frozen=True)
@@ -277,8 +285,12 @@ def _layer_workspace(model: ModelConfig, training: TrainingConfig, tokens: int, 
     f = model.expert_ffn if model.moe else model.ffn
     wide = 2 if model.swiglu else 1
     weight = e * max(h * (q + kv), h * wide * f, h * f) / tp  # the largest linear's
-    head_forward = e * tokens * model.vocab_size / tp if e < 4 else 0.0
-    return attention_forward, Workspace(0.0, backward, backward_split, weight, head_forward)
+    vocab = model.vocab_size / tp
+    head_forward = e * tokens * vocab if e < 4 else 0.0
+    head_backward = max(e * tokens * vocab, e * (tokens + h) * vocab - 4 * tokens * vocab) \
+        if e < 4 else 4 * h * vocab
+    return attention_forward, Workspace(0.0, backward, backward_split, weight, head_forward,
+                                        head_backward)
 
 
 def chunk_bytes(share: ChunkShare, sizes: ActivationSizes) -> ChunkBytes:
@@ -289,12 +301,15 @@ def chunk_bytes(share: ChunkShare, sizes: ActivationSizes) -> ChunkBytes:
     head = share.head * sizes.head
     ws = sizes.workspace
     head_forward = share.head * ws.head_forward
+    head_backward = share.head * ws.head_backward
     if not share.layers:
-        return ChunkBytes(forward, 0.0, workspace=Workspace(forward=head_forward))
+        return ChunkBytes(forward, 0.0, workspace=Workspace(
+            forward=head_forward, backward=head_backward, backward_split=head_backward))
     # the last layer's F peaks before the head adds its bytes; its backward runs after the
     # head's backward freed them
-    workspace = Workspace(max(ws.forward - head, head_forward), max(0.0, ws.backward - head),
-                          max(0.0, ws.backward_split - head), ws.weight)
+    workspace = Workspace(max(ws.forward - head, head_forward),
+                          max(0.0, ws.backward - head, head_backward),
+                          max(0.0, ws.backward_split - head, head_backward), ws.weight)
     return ChunkBytes(forward, share.layers * sizes.wgrad, max(0.0, sizes.transient - head),
                       max(0.0, sizes.transient_split - head), workspace)
 

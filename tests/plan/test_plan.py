@@ -190,8 +190,9 @@ def test_the_walk_adds_each_pass_workspace_at_its_moment():
 
 def test_without_a_pipeline_the_peak_is_a_microbatch_plus_its_larger_scratch():
     """PP 1 runs F then a fused backward per microbatch: the peak is one microbatch's bytes
-    plus the larger of F's and the backward's scratch. Here F's: the LM head's 16-bit logits
-    (e s V), while the layers' backward scratch fits in what the head's backward frees."""
+    plus the larger of F's and the backward's scratch. Here both are the LM head's: its 16-bit
+    logits in F and their gradient in B (e s V each; the probe's 128 MiB at gpu-check's
+    shape), while the layers' backward scratch fits in what the head's backward frees."""
     from megatron_vshape.plan.memory import chunk_bytes
 
     training = TrainingConfig(3072, 16)
@@ -200,7 +201,7 @@ def test_without_a_pipeline_the_peak_is_a_microbatch_plus_its_larger_scratch():
     (share,), = whole_model_share(GPT_9B)
     chunk = chunk_bytes(share, activation_sizes(GPT_9B, training, 1, 1))
     assert chunk.workspace.forward == pytest.approx(2 * 3072 * GPT_9B.vocab_size)
-    assert chunk.workspace.backward == 0
+    assert chunk.workspace.backward == pytest.approx(2 * 3072 * GPT_9B.vocab_size)
     assert row.activation_bytes_per_rank == pytest.approx(
         (chunk.forward + chunk.workspace.forward,))
 
