@@ -15,9 +15,11 @@ importorskip_megatron()
 import torch  # noqa: E402
 
 from megatron_vshape.cli import build_parser, main  # noqa: E402
-from megatron_vshape.cli.gpu_check import dtypes  # noqa: E402
-from megatron_vshape.harness.gpu_check import (GPU_MODEL, CheckSettings,  # noqa: E402
-                                                ScheduleCheck, check_settings, loss_tolerance)
+from megatron_vshape.cli.gpu_check import dtypes, pipeline_runs  # noqa: E402
+from megatron_vshape.harness.gpu_check import (GPU_MODEL, UNEVEN_SCHEDULES,  # noqa: E402
+                                                UNEVEN_STAGE_LAYERS, CheckSettings,
+                                                ScheduleCheck, check_settings, loss_tolerance,
+                                                uneven_settings)
 from megatron_vshape.harness.gpu_report import (MEMORY_TOLERANCE, PIPELINE_KEYS,  # noqa: E402
                                                  REPORT_KEYS, SCHEDULE_KEYS, pipeline_report,
                                                  predicted_bytes, render_markdown)
@@ -34,14 +36,15 @@ SCHEDULES = ["1f1b", "zb-1p", "v-min", "v-half", "v-zb", "auto"]
 def test_cpu_mode_report(tmp_path, capsys):
     """PP 4 processes, the tiny GPT in fp32: every schedule's losses equal the reference's
     (1e-5; they come out bit-identical) and every rank's tracked peak is within 25% of the
-    planner's prediction (measured 0-2%). About 60 s on 2 loaded cores."""
+    planner's prediction (measured 0-2%); then the uneven run (below). About 60 + 30 s on 2
+    loaded cores."""
     assert main(["gpu-check", "--device", "cpu", "--tiny", "--output", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert tuple(report) == REPORT_KEYS and report["passed"] and report["profiles"] == []
     assert report["command"] == f"vshape gpu-check --output {tmp_path} --device cpu --tiny"
     assert report["machine"]["device"] == "cpu" and report["machine"]["megatron_core"]
-    (run,) = report["pipelines"]
-    assert tuple(run) == PIPELINE_KEYS
+    run, uneven = report["pipelines"]
+    assert tuple(run) == PIPELINE_KEYS and run["stage_layers"] is None
     assert (run["device"], run["dtype"], run["memory_measure"], run["ranks"]) == \
         ("cpu", "float32", "activation_tracker", 4)
     assert [r["schedule"] for r in run["schedules"]] == SCHEDULES
@@ -57,7 +60,33 @@ def test_cpu_mode_report(tmp_path, capsys):
     assert by["auto"]["ran"].startswith("auto:")  # re-planned from measured costs
     page = (tmp_path / "report.md").read_text()
     assert "| v-half |" in page and "**passed**" in page
+    assert "V stage layers 1 2 2 3 3 2 2 1, vocabulary 1024" in page
     assert "report.json" in capsys.readouterr().out
+    _check_uneven(uneven)
+
+
+def _check_uneven(run):
+    """Issue 48's uneven stages: the tiny GPT at 16 layers and a 4x vocabulary, the V
+    schedules on stage layers 1 2 2 3 3 2 2 1 (rank 0: 2 layers beside embedding and head,
+    rank 3: 6), 1F1B on megatron's even split. Losses equal the reference's (the model is the
+    same; bit-identical here), every rank's tracked bytes are within the CPU's 25% of the
+    planner's per-stage prediction for that layout (measured 0.5-1.5%), and the prediction
+    for the even layout would miss rank 0 and rank 3 by far more (measured/even 0.53-0.56 and
+    1.51): a planner that ignored the layout fails here."""
+    settings = uneven_settings("cpu", tiny=True)
+    assert run["stage_layers"] == list(UNEVEN_STAGE_LAYERS)
+    assert (run["model"]["num_layers"], run["model"]["vocab_size"]) == (16, 1024)
+    assert [r["schedule"] for r in run["schedules"]] == list(UNEVEN_SCHEDULES)
+    for row in run["schedules"]:
+        assert row["max_loss_diff"] <= 1e-5 and row["loss_ok"] and row["memory_ok"], row
+        for measured, kept in zip(row["tracked_bytes"], row["predicted_kept_bytes"]):
+            assert abs(measured / kept - 1) <= MEMORY_TOLERANCE["cpu"], row
+        if row["schedule"] == "1f1b":
+            continue
+        even = predicted_bytes(settings, build_schedule(row["schedule"], 4, 8), False)
+        assert row["predicted_kept_bytes"][0] < 0.7 * even[0], row["schedule"]
+        assert row["predicted_kept_bytes"][3] > 1.3 * even[3], row["schedule"]
+        assert abs(row["tracked_bytes"][0] / even[0] - 1) > MEMORY_TOLERANCE["cpu"]
 
 
 @pytest.mark.gloo
@@ -93,10 +122,24 @@ def test_cuda_sizes():
         activations = 4 * max(predicted_bytes(settings, build_schedule("1f1b", 4, 8), True))
         weights_and_grads = 2 * element * GPU_MODEL.parameters()
         assert activations + weights_and_grads + 4 * 2**30 < 70 * 2**30, settings.dtype
+    uneven = uneven_settings("cuda", tiny=False)
+    assert (uneven.model.vocab_size, uneven.model.num_layers, uneven.dtype) == \
+        (131072, 16, "bfloat16")
+    assert uneven.model.parameters() < 1.4e9
+    # the uneven run: its fullest schedule (v-zb), every rank as planned for its layout
+    activations = sum(sum(predicted_bytes(uneven, build_schedule(n, 4, 8), True,
+                                          uneven.layers_of(n))) for n in ("v-zb",))
+    assert activations + 4 * uneven.model.parameters() + 4 * 2**30 < 70 * 2**30
     assert check_settings("cuda", tiny=True).model.name == "tiny"
     assert dtypes("cuda", False, False) == ["bfloat16", "float32"]
     assert dtypes("cuda", True, False) == dtypes("cuda", False, True) == ["bfloat16"]
     assert dtypes("cpu", False, False) == ["float32"]
+    both = ("even", "uneven")
+    assert pipeline_runs("cuda", False, False, both) == \
+        [("even", "bfloat16"), ("uneven", "bfloat16"), ("even", "float32")]
+    assert pipeline_runs("cuda", False, True, ["uneven"]) == [("uneven", "bfloat16")]
+    assert pipeline_runs("cpu", True, False, both) == [("even", "float32"),
+                                                       ("uneven", "float32")]
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -104,6 +147,9 @@ def test_cuda_sizes():
     (dict(dtype="float16"), "dtype must be one of float32, bfloat16"),
     (dict(schedules=("v-half",)), "must start with 1f1b"),
     (dict(ranks=8), "needs ranks >= 2 and >= 16 layers"),
+    (dict(stage_layers=(2, 1, 1, 1, 1, 1, 1)), "must give each of the V's 2 x 4 stages"),
+    (dict(stage_layers=(2, 1, 1, 1, 1, 1, 1, 0)), "at least one layer, 8 in all"),
+    (dict(stage_layers=(1,) * 8, schedules=("1f1b", "auto")), "auto re-plans on the even"),
 ])
 def test_bad_settings_name_the_setting(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -251,14 +297,18 @@ def test_the_planner_predicts_the_gpu_peaks():
     assert {r["machine"]["device_name"] for r in reports} == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}
     assert all(r["machine"]["device"] == "cuda" and r["passed"] for r in reports)
     for run in (run for report in reports for run in report["pipelines"]):
-        settings = check_settings("cuda", False, run["dtype"])
+        # the uneven run (issue 48): predicted for the V stage layout it ran
+        settings = (uneven_settings if run.get("stage_layers") else check_settings)(
+            "cuda", False, run["dtype"])
+        assert run.get("stage_layers") in (None, list(UNEVEN_STAGE_LAYERS))
         for row in run["schedules"]:
             assert row["memory_ok"] and row["loss_ok"], row["schedule"]
             if row["schedule"] == "auto":  # re-planned from measured times on the device
                 continue
             schedule = build_schedule(row["schedule"], 4, 8)
-            peak = predicted_bytes(settings, schedule, workspace=True)
-            kept = predicted_bytes(settings, schedule, workspace=False)
+            layers = settings.layers_of(row["schedule"])
+            peak = predicted_bytes(settings, schedule, True, layers)
+            kept = predicted_bytes(settings, schedule, False, layers)
             for measured, p in zip(row["peak_bytes"], peak):
                 assert measured / p == pytest.approx(1, abs=0.03), row["schedule"]
             for tracked, k in zip(row["tracked_bytes"], kept):
