@@ -62,9 +62,11 @@ def test_the_project_wheel_is_built_from_a_copy_of_the_release_files(tmp_path):
 
 def test_doc_command_installs_what_the_script_writes():
     script = _script()
-    (call, other) = [line.strip() for line in DOC.splitlines() if "--find-links" in line]
+    (call, other, uneven) = [line.strip() for line in DOC.splitlines() if "--find-links" in line]
     # the second call: the same with megatron-core 0.16.1, bf16 pipelines only
     assert other.replace("0.16.1", "0.19.2").replace(" --no-fp32 --no-profile", "") == call
+    # the third: the uneven-stage run alone (issue 48)
+    assert uneven.replace(" --no-fp32 --no-profile --pipelines uneven", "") == call
     install, check = call.split(" && ")
     words = shlex.split(install)
     assert words[words.index("--find-links") + 1] == script.DEFAULT_DIR
