@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..schedule.io.megatron_layout import layout_string
 from ..schedule.model.placement import Layout, Placement, stage_layer_counts
 
 __all__ = ["VStage", "VStageLayout", "v_stage_layout", "LAYOUT_FLAGS", "layout_flags_set",
@@ -77,8 +78,7 @@ class VStageLayout:
 
     def megatron_layout(self) -> str:
         """This layout as --pipeline-model-parallel-layout, its stages in V order."""
-        return "|".join("E" * s.embedding + "t" * s.layers + "m" * s.mtp + "L" * s.loss
-                        for s in self.stages)
+        return layout_string([(s.layers, s.embedding, s.loss, s.mtp) for s in self.stages])
 
 
 def _set(value) -> bool:

@@ -7,14 +7,14 @@ features the plan assumed) and what a row chose (TP, PP, micro batch, schedule, 
 Data parallelism is not a flag: Megatron-LM derives it from the GPUs it is launched on.
 
 A row whose layout (its layers per global stage, plan/layout_search.py) is not the plugin's
-even default gets ``--pipeline-model-parallel-layout`` (plan/layout_flag.py), which also gives
+even default gets ``--pipeline-model-parallel-layout`` (schedule/io/megatron_layout.py), which also gives
 megatron the virtual stages of interleaved 1F1B (megatron refuses both flags together).
 """
 from __future__ import annotations
 
 from ..schedule.model.placement import Layout, stage_layer_counts
 from .candidates import NO_PIPELINE
-from .layout_flag import layout_flag
+from ..schedule.io.megatron_layout import layout_of_counts
 from .evaluate import Prediction
 from .planner import PlanResult
 from .settings import GIB
@@ -71,7 +71,7 @@ def row_flags(row: Prediction, result: PlanResult) -> list[str]:
     uneven = lay.pp > 1 and stages and tuple(stages) != stage_layer_counts(
         result.model.num_layers, len(stages))
     if uneven:
-        flags += ["--pipeline-model-parallel-layout", layout_flag(stages)]
+        flags += ["--pipeline-model-parallel-layout", layout_of_counts(stages)]
     elif lay.schedule == "interleaved-1f1b":
         flags += ["--num-virtual-stages-per-pipeline-rank", str(Layout.LOOP.chunks)]
     if lay.schedule == "auto":

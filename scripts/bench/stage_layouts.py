@@ -19,7 +19,7 @@ from megatron_vshape.plan import ClusterConfig, TrainingConfig, load_model_confi
 from megatron_vshape.plan.bounds import pipeline_bounds
 from megatron_vshape.plan.candidates import GridPoint
 from megatron_vshape.plan.evaluate import Evaluator
-from megatron_vshape.plan.layout_flag import layout_flag
+from megatron_vshape.schedule.io.megatron_layout import layout_of_counts
 
 MODELS = ("llama-3-8b", "qwen2.5-7b", "gemma-2-9b", "llama-3-70b", "qwen2.5-72b")
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-1p", "v-min", "v-half", "v-zb")
@@ -62,7 +62,7 @@ def _case(model, pp: int, args) -> list[dict]:
             bounds = pipeline_bounds(best, point, name)
             row.update(best_s=round(ours.iteration_seconds, 4),
                        best_tflops=round(ours.tflops_per_gpu, 1),
-                       layout=layout_flag(ours.stage_layers),
+                       layout=layout_of_counts(ours.stage_layers),
                        peak_gib=round(ours.peak_bytes / 2**30, 2),
                        busiest_s=round(bounds.busiest, 4),
                        whole_layer_s=round(bounds.whole_layer, 4),

@@ -465,7 +465,7 @@ def test_multi_token_prediction_sits_in_the_last_v_stage():
                    mtp_num_layers=1)
     check_arguments(args)
     layout = v_stage_layout(args)
-    assert layout.stages[-1].mtp == 1 and layout.megatron_layout() == "Et|ttt|tt|tmL"
+    assert layout.stages[-1].mtp == 1 and layout.megatron_layout() == "Et|t*3|t*2|tmL"
     for bad, needle in (("Et|ttt|tmt|tL", "decoder layers must be placed before MTP"),
                         ("Et|ttt|tttm|L", "multi-token prediction sits in stage 2p-1")):
         with pytest.raises(ValueError, match=needle):

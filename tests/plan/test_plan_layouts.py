@@ -14,7 +14,7 @@ from megatron_vshape.plan.bounds import pipeline_bounds
 from megatron_vshape.plan.candidates import GridPoint, SearchSpace
 from megatron_vshape.plan.cost import rank_costs, stage_times
 from megatron_vshape.plan.evaluate import Evaluator
-from megatron_vshape.plan.layout_flag import layout_flag
+from megatron_vshape.schedule.io.megatron_layout import layout_of_counts
 from megatron_vshape.plan.layout_search import (best_layout, rank_work, whole_layer_rank_counts,
                                                 whole_layer_work)
 from megatron_vshape.plan.memory import chunk_parameters
@@ -84,7 +84,7 @@ def test_stages_need_a_layer_but_the_ends():
 
 
 def _megatron_unroll(text: str) -> list[str]:
-    """Megatron-core's parse_str_to_list, its two regular expressions (see layout_flag.py)."""
+    """Megatron-core's parse_str_to_list, its two regular expressions (see schedule/io/megatron_layout.py)."""
     for pattern in (r'\(([^)]+)\)\*(\d+)', r'(.)\*(\d+)'):
         text = re.sub(pattern, lambda x: x.group(1) * int(x.group(2)), text)
     return text.split("|")
@@ -92,16 +92,16 @@ def _megatron_unroll(text: str) -> list[str]:
 
 @pytest.mark.parametrize("counts", [(0, 2, 3, 2, 2, 3, 2, 0), (4, 4, 4, 4), (1, 1, 0)])
 def test_the_layout_flag_parses_back_to_the_counts(counts):
-    flag = layout_flag(counts)
+    flag = layout_of_counts(counts)
     stages = _megatron_unroll(flag)
     assert [s.count("t") for s in stages] == list(counts)
     assert stages[0].startswith("E") and stages[-1].endswith("L")
-    assert layout_flag((0, 2, 3, 2, 2, 3, 2, 0)) == "E|t*2|t*3|t*2|t*2|t*3|t*2|L"
+    assert layout_of_counts((0, 2, 3, 2, 2, 3, 2, 0)) == "E|t*2|t*3|t*2|t*2|t*3|t*2|L"
 
 
 def test_megatron_parses_the_flag():
     layout = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
-    parsed = layout.PipelineParallelLayerLayout.parse_str_to_list(layout_flag((0, 2, 3, 1)))
+    parsed = layout.PipelineParallelLayerLayout.parse_str_to_list(layout_of_counts((0, 2, 3, 1)))
     assert [len(stage) for stage in parsed] == [1, 2, 3, 2]
 
 
@@ -163,7 +163,7 @@ def test_memory_counts_each_stage(times):
     assert kept_before[0] - kept[0] == pytest.approx(kept[3] - kept_before[3])
 
 
-def test_the_plan_prints_the_layout_flag():
+def test_the_plan_prints_the_layout_of_counts():
     from megatron_vshape.plan.launch_flags import row_flags
     from megatron_vshape.plan.planner import plan
 
@@ -202,5 +202,5 @@ def test_the_plugin_reads_the_chosen_v_layouts(pp, gib):
         if not row.feasible:
             continue
         args = SimpleNamespace(pipeline_model_parallel_size=pp, num_layers=LLAMA.num_layers,
-                               pipeline_model_parallel_layout=layout_flag(row.stage_layers))
+                               pipeline_model_parallel_layout=layout_of_counts(row.stage_layers))
         assert v_stage_layout(args).layers == row.stage_layers
