@@ -11,7 +11,7 @@ initial checkpoint per pipeline size, each schedule must give megatron's own 1f1
 grad norms, validation losses and logged MoE losses within 1e-5 relative (REL):
 
     PP 2 (DP 2)   every V with the even split (no '|'), zb-1p, and v-half with the pattern's
-                  '|' segments read as the V's 4 stages ("*-E|-*|-E|*-": stages of 3,2,2,1
+                  '|' segments read as the V's 4 stages ("*-E|-*|-E|-": stages of 3,2,2,1
                   layers, rank 0 holding stages 0 and 3); v-half resumed at iteration 2 from
                   1f1b's checkpoint
     PP 4          v-half, v-zb and zb-1p (8 stages of one layer under the V)
@@ -58,7 +58,7 @@ REFERENCE = {"pp2": PP2 + ["--hybrid-layer-pattern", "*-E-|*-E-"],
 EVEN = {"pp2": PP2 + ["--hybrid-layer-pattern", PATTERN],
         "pp4": PP4 + ["--hybrid-layer-pattern", PATTERN_PP4]}
 """The V's even split (no '|'); zb-1p: megatron's own even split."""
-V_SEGMENTS = PP2 + ["--hybrid-layer-pattern", "*-E|-*|-E|*-"]
+V_SEGMENTS = PP2 + ["--hybrid-layer-pattern", "*-E|-*|-E|-"]
 """The same layers as the V's 4 stages in V order: 3,2,2,1 layers."""
 
 
@@ -85,9 +85,20 @@ def _reference(runs: Runs, key: str) -> Run:
     return _run(runs, key, "1f1b", REFERENCE[key], "1f1b", save)
 
 
+W_SPLIT = ("TELayerNormColumnParallelLinear", "TERowParallelLinear",
+           "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
+"""The hybrid specs' linears (attention and MLP layers, the MoE layers' experts): W calls
+their backward_dw on rank 0, which holds all three layer families at PP 2 and PP 4."""
+
+
 def _check(got: Run, reference: Run, label: str) -> None:
+    """1f1b's numbers, and the weight gradients in W: every linear family's backward_dw is
+    called and the plugin's check finds nothing but the router left in B."""
     assert_same_training(got, reference, label)
     assert_same_moe_metrics(got, reference, label)
+    w_lines = " ".join(line for line in got.log(0).splitlines()
+                       if line.startswith("[vshape] W passes call Transformer Engine's"))
+    assert all(f"{name} x" in w_lines for name in W_SPLIT), w_lines
     for rank in range(4):
         assert "weight gradients in B" not in got.log(rank), got.log(rank)[-2000:]
 
