@@ -173,10 +173,22 @@ def virtual_stages(args) -> int:
     derives them (core_v0.16.1 arguments.py:516-545): a layout's stages over PP (counted by
     megatron-core's own parser), --num-virtual-stages-per-pipeline-rank, or the layers per
     rank over --num-layers-per-virtual-pipeline-stage; 1 without any."""
-    pp = args.pipeline_model_parallel_size
+    segments = _hybrid_virtual_stages(args)
+    return segments if segments > 1 else _flag_virtual_stages(args)
+
+
+def _hybrid_virtual_stages(args) -> int:
+    """Chunks per rank a --hybrid-layer-pattern's '|' segments ask for (0.19 arguments.py:
+    814-832: segments / PP); 1 without '|'."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
-    if pattern and PIPE in pattern:  # its '|' segments (0.19 arguments.py:814-832)
-        return max(1, len(pattern_segments(pattern)) // pp)
+    if not pattern or PIPE not in pattern:
+        return 1
+    return max(1, len(pattern_segments(pattern)) // args.pipeline_model_parallel_size)
+
+
+def _flag_virtual_stages(args) -> int:
+    """Chunks per rank the GPT flags ask for (virtual_stages' doc)."""
+    pp = args.pipeline_model_parallel_size
     if args.pipeline_model_parallel_layout is not None:
         return max(1, layout_stages(args) // pp)
     if args.num_virtual_stages_per_pipeline_rank is not None:
@@ -228,7 +240,7 @@ SETTINGS = (
             "stages)", ("num_layers_per_virtual_pipeline_stage",
                         "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
                         "pipeline_model_parallel_size", "num_layers"),
-            lambda a: virtual_stages(a) > 1, NA, X,
+            lambda a: _flag_virtual_stages(a) > 1, NA, X,
             "runs one chunk per rank; with virtual pipeline stages use --pipeline-schedule "
             "interleaved-1f1b (megatron's own), or drop the virtual-pipeline flags"),
     Setting("--pipeline-model-parallel-layout of other than 2 x PP stages",
@@ -384,6 +396,12 @@ SETTINGS = (
             "them on its last pipeline stage by the loop's order, which no test checks under "
             "the plugin's schedules): drop the '/' patterns, or use --pipeline-schedule 1f1b",
             since="0.17"),
+    Setting("--hybrid-layer-pattern of more than PP '|' segments",
+            ("hybrid_layer_pattern", "pipeline_model_parallel_size"),
+            lambda a: _hybrid_virtual_stages(a) > 1, NA, X,
+            "runs one chunk per rank; a --hybrid-layer-pattern of more than PP '|' segments asks "
+            "megatron for virtual pipeline stages: use --pipeline-schedule interleaved-1f1b "
+            "(megatron's own), or write PP segments (or none)", since="0.17"),
     Setting("--hybrid-layer-pattern of other than 2 x PP '|' segments",
             ("hybrid_layer_pattern", "pipeline_model_parallel_size"),
             lambda a: len(pattern_segments(getattr(a, "hybrid_layer_pattern", None) or "")) not in

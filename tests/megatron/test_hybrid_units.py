@@ -90,3 +90,13 @@ def test_chunk_1_selects_its_v_stage_through_the_mirrored_group():
     plain = _Group(1, 4)
     select("p", plain, 0)
     assert calls == [("p", None, 6, None, None), ("p", plain, 0)]
+
+
+def test_zb1p_refuses_a_pattern_of_virtual_stages_and_1f1b_defaults_to_interleaving():
+    """2 x PP segments are megatron's virtual pipeline stages outside a V."""
+    from megatron_vshape.megatron.arguments import default_schedule
+
+    args = _args("*-E|-*|-E|-")
+    assert any("more than PP '|' segments" in p for p in features.refusals(args, "zb-1p"))
+    assert default_schedule(args) == "interleaved-1f1b"
+    assert default_schedule(_args("*-E-|*-E-")) == "1f1b"
