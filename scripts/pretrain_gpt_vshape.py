@@ -18,7 +18,9 @@ The two training loops differ in who parses the flags: core_v0.16.1's and core_v
 ``pretrain()`` parses them itself (``extra_args_provider``, ``args_defaults``); core_v0.18.2's
 and the 0.19-era one take a config
 container built from flags the script has parsed (``parse_and_validate_args``). ``_pretrain``
-is the one place that tells them apart, by ``pretrain()``'s signature. Under both, the model
+is the one place that tells them apart, by ``pretrain()``'s signature. Everything but the
+model's script module and builder is :func:`run`'s, which scripts/pretrain_hybrid_vshape.py
+shares (pretrain_hybrid, hybrid_builder). Under both, the model
 is built by the model provider through Megatron-LM's ``get_model`` (0.19's container holds no
 ModelConfig, so its builder path, which cannot place a V, stays unused).
 """
