@@ -18,7 +18,9 @@ The two training loops differ in who parses the flags: core_v0.16.1's and core_v
 ``pretrain()`` parses them itself (``extra_args_provider``, ``args_defaults``); core_v0.18.2's
 and the 0.19-era one take a config
 container built from flags the script has parsed (``parse_and_validate_args``). ``_pretrain``
-is the one place that tells them apart, by ``pretrain()``'s signature. Under both, the model
+is the one place that tells them apart, by ``pretrain()``'s signature. Everything but the
+model's script module and builder is :func:`run`'s, which scripts/pretrain_hybrid_vshape.py
+shares (pretrain_hybrid, hybrid_builder). Under both, the model
 is built by the model provider through Megatron-LM's ``get_model`` (0.19's container holds no
 ModelConfig, so its builder path, which cannot place a V, stays unused).
 """
@@ -68,14 +70,24 @@ def main() -> None:
     try:
         import pretrain_gpt
         from gpt_builders import gpt_builder
-        from megatron.core.enums import ModelType
-        from megatron.training import get_args, get_timers, pretrain
-        from megatron.training.arguments import core_transformer_config_from_args
-        from model_provider import model_provider
     except ImportError as err:
         raise SystemExit(f"pretrain_gpt_vshape.py needs Megatron-LM's training code (tag "
                          f"core_v0.16.1, or the megatron-core 0.19 era) on PYTHONPATH: export "
                          f"PYTHONPATH=$MEGATRON_LM:$PYTHONPATH ({err})")
+    run(pretrain_gpt, gpt_builder, pretrain_gpt.get_embedding_ranks)
+
+
+def run(training, builder, standard_embedding_ranks, v_builder=None) -> None:
+    """Megatron-LM's ``training`` script module (pretrain_gpt, pretrain_hybrid: its
+    ``forward_step``, ``loss_func``, ``train_valid_test_datasets_provider``,
+    ``is_dataset_built_on_rank``) with the plugin installed; ``builder`` its model builder
+    (gpt_builder, hybrid_builder), ``standard_embedding_ranks`` the embedding ranks of
+    megatron's own schedules (None: pretrain()'s default), ``v_builder(builder)`` the builder
+    V chunks are built with (None: ``builder``)."""
+    from megatron.core.enums import ModelType
+    from megatron.training import get_args, get_timers, pretrain
+    from megatron.training.arguments import core_transformer_config_from_args
+    from model_provider import model_provider
     from megatron_vshape.megatron import batch as vbatch
     from megatron_vshape.megatron import providers
     from megatron_vshape.megatron.arguments import recheck_arguments
@@ -85,12 +97,13 @@ def main() -> None:
 
     _log_on_rank_0()
     patch_megatron_lm()
-    base = partial(model_provider, gpt_builder)
+    base = partial(model_provider, builder)
+    v_base = base if v_builder is None else partial(model_provider, v_builder(builder))
 
     @functools.lru_cache(maxsize=None)
     def v_chunks():  # one per run: it keeps chunk 0 until get_model asks for chunk 1
         return providers.VChunkProvider(
-            base, lambda: core_transformer_config_from_args(get_args()),
+            v_base, lambda: core_transformer_config_from_args(get_args()),
             te_delay_wgrad=get_args().transformer_impl == "transformer_engine",
             stage_layers=get_args().vshape_stage_layers)
 
@@ -111,14 +124,13 @@ def main() -> None:
         args = get_args()
         batch = vbatch.VBatch(args.seq_length, args.micro_batch_size,
                               args.create_attention_mask_in_dataloader, packed=args.sft)
-        return vbatch.VForwardStep(batch, pretrain_gpt.loss_func, get_timers())(data_iterator,
-                                                                                 model)
+        return vbatch.VForwardStep(batch, training.loss_func, get_timers())(data_iterator, model)
 
     def datasets(train_val_test_num_samples, vp_stage=None):
         if _schedule() in V_SCHEDULES:  # pipeline rank 0 reads data under a V (--sft: all)
-            pretrain_gpt.is_dataset_built_on_rank = \
+            training.is_dataset_built_on_rank = \
                 lambda vp_stage=None, **_: vbatch.is_v_dataset_rank(packed=get_args().sft)
-        return pretrain_gpt.train_valid_test_datasets_provider(train_val_test_num_samples,
+        return training.train_valid_test_datasets_provider(train_val_test_num_samples,
                                                                vp_stage=vp_stage)
 
     datasets.is_distributed = True
@@ -126,18 +138,22 @@ def main() -> None:
     def embedding_ranks(pp_ranks, *rest):
         if _schedule() in V_SCHEDULES:
             return v_embedding_ranks(pp_ranks)
-        return pretrain_gpt.get_embedding_ranks(pp_ranks)
+        if standard_embedding_ranks is None:  # pretrain()'s default
+            from megatron.core.parallel_state import default_embedding_ranks
+
+            return default_embedding_ranks(pp_ranks)
+        return standard_embedding_ranks(pp_ranks, *rest)
 
     _pretrain(pretrain, datasets, _BySchedule(v_provider, standard_provider),
-              ModelType.encoder_or_decoder, _BySchedule(v_forward_step, pretrain_gpt.forward_step),
-              embedding_ranks, _extra_args_provider(pretrain_gpt))
+              ModelType.encoder_or_decoder, _BySchedule(v_forward_step, training.forward_step),
+              embedding_ranks, _extra_args_provider(training), training)
 
 
 _ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 """pretrain_gpt's own default."""
 
 
-def _extra_args_provider(pretrain_gpt):
+def _extra_args_provider(training):
     """The plugin's flags, and nvidia-modelopt's where pretrain_gpt.py registers them (its
     ``extra_args_provider``: core_v0.16.1 pretrain_gpt.py:348, 0.19 :513), so that every
     recipe stock pretrain_gpt.py parses parses here too."""
@@ -145,28 +161,27 @@ def _extra_args_provider(pretrain_gpt):
 
     def add(parser):
         add_arguments(parser)
-        if getattr(pretrain_gpt, "has_nvidia_modelopt", False):
-            pretrain_gpt.add_modelopt_args(parser)
+        if getattr(training, "has_nvidia_modelopt", False):
+            training.add_modelopt_args(parser)
         return parser
     return add
 
 
 def _pretrain(pretrain, datasets, provider, model_type, forward_step, embedding_ranks,
-              extra_args_provider) -> None:
+              extra_args_provider, training) -> None:
     """Call Megatron-LM's pretrain() the way its version wants (module doc): the one branch
     between the two training loops, on pretrain()'s own parameters."""
     if "extra_args_provider" in inspect.signature(pretrain).parameters:  # core_v0.16.1
         pretrain(datasets, provider, model_type, forward_step, args_defaults=_ARGS_DEFAULTS,
                  extra_args_provider=extra_args_provider, get_embedding_ranks=embedding_ranks)
         return
-    import pretrain_gpt
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
     args = parse_and_validate_args(extra_args_provider=extra_args_provider,
                                    args_defaults=_ARGS_DEFAULTS)
-    enable_modelopt = getattr(pretrain_gpt, "maybe_enable_modelopt", None)  # 0.18: none
-    if getattr(pretrain_gpt, "has_nvidia_modelopt", False) and enable_modelopt is not None:
+    enable_modelopt = getattr(training, "maybe_enable_modelopt", None)  # 0.18: none
+    if getattr(training, "has_nvidia_modelopt", False) and enable_modelopt is not None:
         enable_modelopt(args)  # as 0.19's pretrain_gpt.py:517 does
     with warnings.catch_warnings():  # "use a ModelConfig": a V needs the model provider
         warnings.filterwarnings("ignore", message=".*ModelConfig", category=UserWarning)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..schedule.names import PLUGIN_SCHEDULES, V_SCHEDULES
+from .hybrid import MTP_SEPARATOR, PIPE, pattern_segments, unsupported_families
 from .stage_layout import LAYOUT_FLAGS, layout_flags_set, layout_stage_count
 
 __all__ = ["Verdict", "Family", "Setting", "SETTINGS", "family_of", "refusals",
@@ -172,6 +173,21 @@ def virtual_stages(args) -> int:
     derives them (core_v0.16.1 arguments.py:516-545): a layout's stages over PP (counted by
     megatron-core's own parser), --num-virtual-stages-per-pipeline-rank, or the layers per
     rank over --num-layers-per-virtual-pipeline-stage; 1 without any."""
+    segments = _hybrid_virtual_stages(args)
+    return segments if segments > 1 else _flag_virtual_stages(args)
+
+
+def _hybrid_virtual_stages(args) -> int:
+    """Chunks per rank a --hybrid-layer-pattern's '|' segments ask for (0.19 arguments.py:
+    814-832: segments / PP); 1 without '|'."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern or PIPE not in pattern:
+        return 1
+    return max(1, len(pattern_segments(pattern)) // args.pipeline_model_parallel_size)
+
+
+def _flag_virtual_stages(args) -> int:
+    """Chunks per rank the GPT flags ask for (virtual_stages' doc)."""
     pp = args.pipeline_model_parallel_size
     if args.pipeline_model_parallel_layout is not None:
         return max(1, layout_stages(args) // pp)
@@ -191,6 +207,7 @@ UNEVEN_ZB1P = "test_zb1p_runs_megatrons_own_uneven_stages_like_1f1b (e2e, 0.19)"
 LAYOUTS = "tests/megatron/test_megatron_lm_layouts.py"
 MTP = "tests/megatron/test_megatron_lm_mtp.py"
 TE = "tests/megatron/test_megatron_lm_te.py"
+HYBRID = "tests/megatron/test_megatron_lm_hybrid.py"
 FP8_TESTS = (TE + " (delayed scaling under v-half and zb-1p; tensorwise under v-zb; either "
              "chunk's first-microbatch flag withheld); tests/megatron/test_te_stand_in.py (the "
              "stand-in's FP8)")
@@ -223,7 +240,7 @@ SETTINGS = (
             "stages)", ("num_layers_per_virtual_pipeline_stage",
                         "num_virtual_stages_per_pipeline_rank", "pipeline_model_parallel_layout",
                         "pipeline_model_parallel_size", "num_layers"),
-            lambda a: virtual_stages(a) > 1, NA, X,
+            lambda a: _flag_virtual_stages(a) > 1, NA, X,
             "runs one chunk per rank; with virtual pipeline stages use --pipeline-schedule "
             "interleaved-1f1b (megatron's own), or drop the virtual-pipeline flags"),
     Setting("--pipeline-model-parallel-layout of other than 2 x PP stages",
@@ -353,6 +370,46 @@ SETTINGS = (
             "squared gradient norms of other parameters than under 1f1b, so the clipping "
             "coefficient can differ in its last bit, which fp16 weights round to a 2^-11 step)",
             FLAGS),
+    # -- hybrid models (megatron-core's HybridModel, scripts/pretrain_hybrid_vshape.py) --------
+    Setting("--hybrid-layer-pattern of attention (*), MLP (-) and MoE (E) layers",
+            ("hybrid_layer_pattern",), lambda a: _on(a, "hybrid_layer_pattern"), S, S,
+            "V: the pattern's 2 x PP '|' segments are the V's stages in V order (stage s on rank "
+            "s for s < PP, on rank 2 x PP - 1 - s after), without '|' an even split; layers "
+            "numbered globally; the embedding, final norm and loss on rank 0. zb-1p: megatron's "
+            "own placement (PP segments, or none). megatron-core's hybrid layer specs are "
+            "Transformer Engine's only (the stand-in on CPU); TE's own W split covers their "
+            "linears (the MoE layers' router stays in B, as for GPT)",
+            HYBRID + " (PP 2 and 4, every V and zb-1p; a 1f1b checkpoint resumed)",
+            since="0.17"),
+    Setting("--hybrid-layer-pattern with Mamba (M), GDN (G), DSA (D), MLA (+) layers",
+            ("hybrid_layer_pattern",), lambda a: bool(unsupported_families(
+                getattr(a, "hybrid_layer_pattern", None))), X, X,
+            "builds only attention (*), MLP (-) and MoE (E) layers of --hybrid-layer-pattern: "
+            "Mamba (M) and gated delta net (G) mixers run GPU-only kernels (mamba-ssm and "
+            "causal-conv1d, flash-linear-attention), DeepSeek sparse attention (D) and MLA (+) "
+            "kernels no CPU run proves, so neither their W split nor their results under a V "
+            "are checked: remove them from the pattern, or use --pipeline-schedule 1f1b",
+            since="0.17"),
+    Setting("--hybrid-layer-pattern with MTP layers ('/')", ("hybrid_layer_pattern",),
+            lambda a: MTP_SEPARATOR in (getattr(a, "hybrid_layer_pattern", None) or ""), X, X,
+            "does not run a hybrid model's multi-token prediction layers (megatron-core puts "
+            "them on its last pipeline stage by the loop's order, which no test checks under "
+            "the plugin's schedules): drop the '/' patterns, or use --pipeline-schedule 1f1b",
+            since="0.17"),
+    Setting("--hybrid-layer-pattern of more than PP '|' segments",
+            ("hybrid_layer_pattern", "pipeline_model_parallel_size"),
+            lambda a: _hybrid_virtual_stages(a) > 1, NA, X,
+            "runs one chunk per rank; a --hybrid-layer-pattern of more than PP '|' segments asks "
+            "megatron for virtual pipeline stages: use --pipeline-schedule interleaved-1f1b "
+            "(megatron's own), or write PP segments (or none)", since="0.17"),
+    Setting("--hybrid-layer-pattern of other than 2 x PP '|' segments",
+            ("hybrid_layer_pattern", "pipeline_model_parallel_size"),
+            lambda a: len(pattern_segments(getattr(a, "hybrid_layer_pattern", None) or "")) not in
+            (1, 2 * a.pipeline_model_parallel_size), X, NA,
+            "reads --hybrid-layer-pattern's '|' segments as the V's 2 x PP stages in V order "
+            "(stage s on rank s for s < PP, on rank 2 x PP - 1 - s after): write 2 x PP "
+            "segments, or none for an even split (PP segments are 1F1B's: use "
+            "--pipeline-schedule zb-1p or 1f1b)", since="0.17"),
     # -- Mixture of Experts ----------------------------------------------------------------------
     Setting("--num-experts (alltoall / allgather dispatcher, --expert-model-parallel-size, aux, "
             "seq, global aux and z losses, shared experts, --moe-layer-freq, capacity)",

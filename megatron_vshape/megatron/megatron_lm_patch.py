@@ -48,6 +48,7 @@ import logging
 import sys
 
 from .checkpoints import checked_load_checkpoint
+from .hybrid import hybrid_layer_count, hybrid_stage_layers, v_pattern
 from .install import ForwardBackwardGetter, OURS, VShapeConfig
 from ..schedule.names import V_SCHEDULES
 from .arguments import check_arguments, stand_in_notice, vshape_config
@@ -189,6 +190,8 @@ def _binding_problem(function, config: VShapeConfig) -> str | None:
 def _validating(original):
     def validate_args(args, defaults={}):
         check_flags(args)
+        if getattr(args, "hybrid_layer_pattern", None):  # as megatron's validate_args derives
+            args.num_layers = hybrid_layer_count(args.hybrid_layer_pattern)  # it, for the checks
         check_arguments(args)
         v = args.pipeline_schedule in V_SCHEDULES
         if v:
@@ -232,6 +235,13 @@ def _place_v_stages(args) -> None:
     interleaved order (a layout's stage s on rank s % p, first/last stage layers split over
     two chunks per rank), and Megatron-LM builds such configs from ``args`` again after
     validation (0.19 pretrain_gpt.py, get_embedding_ranks)."""
+    if getattr(args, "hybrid_layer_pattern", None):  # its stages are the pattern's (hybrid.py)
+        args.vshape_stage_layers = hybrid_stage_layers(args.hybrid_layer_pattern,
+                                                       args.pipeline_model_parallel_size)
+        log.info("[vshape] %s hybrid stages %s (layers per V stage: %s)", args.pipeline_schedule,
+                 v_pattern(args.hybrid_layer_pattern, args.pipeline_model_parallel_size),
+                 ",".join(map(str, args.vshape_stage_layers)))
+        return
     layout = v_stage_layout(args)
     for name in LAYOUT_FLAGS:
         if hasattr(args, name):

@@ -434,6 +434,26 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = tuple(
          "would silently drop it)"),
         ("encoder_num_layers", "put back after validate_args's num_layers check (getattr)"),
     )
+    # -- hybrid models (megatron/hybrid.py, scripts/pretrain_hybrid_vshape.py) ------------------
+    + _rows("megatron.core.models.hybrid.hybrid_layer_allocation", "megatron/hybrid.py")(
+        ("select_pipeline_segment", "rebound: the V's chunk 1 (its pipeline group reports the "
+         "mirrored rank) selects its V stage's segment of --hybrid-layer-pattern",
+         {"kind": _C, "leading": ("main_pattern", "pp_group", "vp_stage"), "probed": True,
+          "versions": ("0.18", "0.19", "0.20")}),
+    ) + _rows(_PS, "scripts/pretrain_gpt_vshape.py", Side.TRAINING)(
+        ("default_embedding_ranks", "pretrain()'s own embedding ranks, for megatron's schedules "
+         "of a training script without its own (pretrain_hybrid)", {"kind": _C}),
+    ) + _rows("pretrain_hybrid", "scripts/pretrain_hybrid_vshape.py", Side.TRAINING)(
+        ("", "loss_func, forward_step, train_valid_test_datasets_provider and "
+         "is_dataset_built_on_rank, as pretrain_gpt's (found, not imported: its import filters "
+         "warnings on ranks > 0)", {"kind": Kind.SPEC, "probed": True,
+                                    "versions": ("0.18", "0.19", "0.20")}),
+    ) + _rows("hybrid_builders", "scripts/pretrain_hybrid_vshape.py", Side.TRAINING)(
+        ("hybrid_builder", "builds one HybridModel chunk (from the V's pattern under a V)",
+         {"kind": _C, "probed": True, "versions": ("0.18", "0.19", "0.20"),
+          "leading": ("args", "pre_process", "post_process", "vp_stage"),
+          "params": ("config", "pg_collection")}),
+    )
     # -- the CPU harness (harness/) -----------------------------------------------------------
     + _rows(_RANDOM, "harness/cpu.py", Side.HARNESS)(
         ("get_cuda_rng_tracker", "rebound: a CPU RNG tracker", {"kind": _C}),

@@ -30,11 +30,12 @@ from megatron_vshape.megatron.versions import supported_description
 REPO = Path(__file__).resolve().parents[2]
 GLUE = sorted(p for p in (REPO / "megatron_vshape").rglob("*.py")
               if "schedule" not in p.relative_to(REPO).parts and p.name != "touch_points.py") \
-    + [REPO / "scripts" / "pretrain_gpt_vshape.py"]
+    + [REPO / "scripts" / "pretrain_gpt_vshape.py", REPO / "scripts" / "pretrain_hybrid_vshape.py"]
 """The plugin's code that may touch megatron (schedule/ is pure Python, tested elsewhere; the
 inventory itself is not a use)."""
 
-MEGATRON_LM_MODULES = ("pretrain_gpt", "gpt_builders", "model_provider")
+MEGATRON_LM_MODULES = ("pretrain_gpt", "gpt_builders", "model_provider", "pretrain_hybrid",
+                       "hybrid_builders")
 """Megatron-LM's top-level modules (its repository root), as the script imports them."""
 
 _MODULE_STRING = re.compile(r"^megatron(\.[A-Za-z_]\w*)+$")

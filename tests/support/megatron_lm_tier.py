@@ -53,16 +53,19 @@ class Run:
 
 
 class Runs:
-    """Runs by name, each launched once per session (cases share their 1f1b references)."""
+    """Runs by name, each launched once per session (cases share their 1f1b references);
+    ``script``: the training script of runs that name none (scripts/pretrain_gpt_vshape.py,
+    or scripts/pretrain_hybrid_vshape.py for a tier of hybrid models)."""
 
-    def __init__(self, launcher: Launcher, root: Path):
-        self.launcher, self.root, self._done = launcher, root, {}
+    def __init__(self, launcher: Launcher, root: Path, script: Path = SCRIPT):
+        self.launcher, self.root, self.script, self._done = launcher, root, script, {}
 
-    def get(self, name: str, flags: list, nproc: int = 4, script: Path = SCRIPT,
+    def get(self, name: str, flags: list, nproc: int = 4, script: Path | None = None,
             env=None) -> Run:
         """The run ``name`` of ``script`` (the training script, or a runner around it such as
-        support/sft_run.py) with ``flags`` and ``env`` added to its processes' environment,
-        launched on first use."""
+        support/sft_run.py; None: the runs' own) with ``flags`` and ``env`` added to its
+        processes' environment, launched on first use."""
+        script = script or self.script
         if name not in self._done:
             folder = self.root / name
             shutil.rmtree(folder, ignore_errors=True)
@@ -74,8 +77,9 @@ class Runs:
         return self._done[name]
 
     def attempt(self, name: str, flags: list, nproc: int = 4, env=None,
-                script: Path = SCRIPT) -> RunResult:
+                script: Path | None = None) -> RunResult:
         """A run expected to fail: its result, whatever it is (not cached)."""
+        script = script or self.script
         folder = self.root / name
         shutil.rmtree(folder, ignore_errors=True)
         return self.launcher.run(script, flags, nproc, folder / "logs", env=env)
