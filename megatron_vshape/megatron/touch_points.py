@@ -244,6 +244,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = tuple(
                         "allreduce_dgrad")),
         ("ctx.gtp_remat_size", "GTP re-materialisation: megatron's own backward where > 1",
          {"probed": True, "versions": ("0.19", "0.20")}),
+        ("ctx.input_dtype", "the dtype the split backward casts dY to, as megatron's (its "
+         "forward may output another: output_dtype)", {"probed": True, "versions": ("0.20",)}),
     ) + _rows("megatron.core.extensions.transformer_engine", "megatron/te_wgrad.py",
               kind=Kind.SPEC)(
         ("", "the TE wrappers' module name: which modules get TE's backward_dw in W"),
