@@ -188,6 +188,12 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = tuple(
                         "pipeline_dtype", "barrier_with_L1_time",
                         "virtual_pipeline_model_parallel_size",
                         "pipeline_model_parallel_size")),
+        ("ModelParallelConfig.sequence_parallel", "the message shape's rule for fixed lengths, "
+         "asked under variable_seq_lengths (get_tensor_shapes reads it)"),
+    ) + _rows("megatron.core.transformer.transformer_config", "megatron/forward_backward.py",
+              kind=Kind.FIELD)(
+        ("TransformerConfig.hidden_size", "the message shape's rule for fixed lengths, asked "
+         "under variable_seq_lengths (get_tensor_shapes reads it)"),
     ) + _rows("megatron.core.transformer.transformer_config", "megatron/model.py",
               kind=Kind.FIELD)(
         ("TransformerConfig.num_layers_in_first_pipeline_stage", "refused under a V"),
