@@ -16,6 +16,7 @@ with multi-token prediction the step's MTP loss values for training_log (mtp.py)
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -262,12 +263,18 @@ def message_spec(config, pg, seq_length, micro_batch_size, decoder_seq_length, a
                  device) -> TensorSpec:
     """What one pipeline message is (megatron's own shape rule, ``adjust_tensor_shapes_fn``
     applied), on ``device``. Ranks sharing a GPU over gloo get ``wire = "cpu"``: NCCL refuses
-    two ranks on one GPU and gloo cannot send CUDA tensors, so messages go through host memory."""
+    two ranks on one GPU and gloo cannot send CUDA tensors, so messages go through host memory.
+
+    With ``variable_seq_lengths`` each message carries its shape (``TensorSpec.variable``) and
+    the spec's shape is the largest message, ``seq_length`` long (what re-planning measures a
+    hop with). megatron-core 0.19 on answers ``[()]`` for variable lengths (no fixed shape), so
+    the shape comes from its rule for fixed lengths, asked through a view of the three fields
+    it reads; 0.16 to 0.18 ignore the setting and give that shape already."""
     from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
 
     shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
-                               decoder_seq_length=decoder_seq_length, config=config,
-                               tp_group=pg.tp, cp_group=pg.cp)
+                               decoder_seq_length=decoder_seq_length,
+                               config=_fixed_lengths(config), tp_group=pg.tp, cp_group=pg.cp)
     if adjust is not None:
         recv, send = adjust(shapes, shapes)
         if recv != send or len(recv) != 1:
@@ -278,6 +285,15 @@ def message_spec(config, pg, seq_length, micro_batch_size, decoder_seq_length, a
     return TensorSpec(tuple(shapes[0]), config.pipeline_dtype or torch.float32, device,
                       variable=bool(config.variable_seq_lengths),
                       wire="cpu" if staged else None)
+
+
+def _fixed_lengths(config):
+    """``config`` as get_tensor_shapes sees it for fixed sequence lengths (the caller's config
+    is left as it is): the fields it reads (schedules.py get_tensor_shapes, 0.16 to 0.20)."""
+    if not config.variable_seq_lengths:
+        return config
+    return types.SimpleNamespace(variable_seq_lengths=False, hidden_size=config.hidden_size,
+                                 sequence_parallel=config.sequence_parallel)
 
 
 def _config_and_groups(chunks, pg_collection):

@@ -188,6 +188,12 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = tuple(
                         "pipeline_dtype", "barrier_with_L1_time",
                         "virtual_pipeline_model_parallel_size",
                         "pipeline_model_parallel_size")),
+        ("ModelParallelConfig.sequence_parallel", "the message shape's rule for fixed lengths, "
+         "asked under variable_seq_lengths (get_tensor_shapes reads it)"),
+    ) + _rows("megatron.core.transformer.transformer_config", "megatron/forward_backward.py",
+              kind=Kind.FIELD)(
+        ("TransformerConfig.hidden_size", "the message shape's rule for fixed lengths, asked "
+         "under variable_seq_lengths (get_tensor_shapes reads it)"),
     ) + _rows("megatron.core.transformer.transformer_config", "megatron/model.py",
               kind=Kind.FIELD)(
         ("TransformerConfig.num_layers_in_first_pipeline_stage", "refused under a V"),
@@ -244,6 +250,8 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = tuple(
                         "allreduce_dgrad")),
         ("ctx.gtp_remat_size", "GTP re-materialisation: megatron's own backward where > 1",
          {"probed": True, "versions": ("0.19", "0.20")}),
+        ("ctx.input_dtype", "the dtype the split backward casts dY to, as megatron's (its "
+         "forward may output another: output_dtype)", {"probed": True, "versions": ("0.20",)}),
     ) + _rows("megatron.core.extensions.transformer_engine", "megatron/te_wgrad.py",
               kind=Kind.SPEC)(
         ("", "the TE wrappers' module name: which modules get TE's backward_dw in W"),

@@ -27,9 +27,12 @@ has run against it:
 The matrix tier (.ci/megatron-versions, tests marked ``megatron_matrix``) runs the demo, every
 schedule in the real loop, the distributed optimizer, MoE with EP, a resume across schedules,
 the version gate and the refusal-flag check; the 0.19 environment runs every test marked
-``megatron_versions``. 0.15 and older and 0.20 (megatron-core main) are not tested in CI, so
-not supported (0.15: see :data:`SUPPORTED_SERIES`); pre-releases (``rc``, ``dev``) are not
-releases of a series.
+``megatron_versions``. 0.20 is megatron-core main's series, unreleased: the matrix tier runs
+on Megatron-LM main d98e8a6 (its megatron-core says 0.20.0), so a 0.20.x release is let in on
+its release day, with a one-line warning naming that commit, until a 0.20 release is tested
+(:data:`PREVIEW_SERIES`). 0.15 and older and 0.21 on are not tested in CI, so not supported
+(0.15: see :data:`SUPPORTED_SERIES`); pre-releases (``rc``, ``dev``) are not releases of a
+series.
 ``VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1`` lets :func:`check_megatron_core_version` pass with a
 logged warning instead, at the user's risk.
 
@@ -49,8 +52,9 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["SUPPORTED_SERIES", "OVERRIDE_ENV", "UnsupportedMegatronError",
-           "installed_megatron_core_version", "is_supported", "check_megatron_core_version",
+__all__ = ["SUPPORTED_SERIES", "PREVIEW_SERIES", "OVERRIDE_ENV", "UnsupportedMegatronError",
+           "installed_megatron_core_version", "is_supported", "is_preview",
+           "check_megatron_core_version",
            "package_info_version"]
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,13 @@ them. 0.15 is left out although the CPU demo trains equal to 1F1B on 0.15.3 (its
 placement, linear Function and DDP hooks match 0.16's): no CI environment runs the tier on
 it, its ``get_forward_backward_func()`` takes no arguments (the unit tests call it with
 (pp, vp)), and no Megatron-LM training code of its era is here to test the training glue."""
+
+PREVIEW_SERIES = {(0, 20): "Megatron-LM main d98e8a6 (2026-08-22)"}
+"""(major, minor) of an unreleased series -> the main commit the matrix tier ran on. Its
+releases pass :func:`check_megatron_core_version` with a warning naming that commit: main's
+megatron-core already says the series' version, so the day it is released users may install it
+before CI has run on the release itself. A series moves to :data:`SUPPORTED_SERIES` once a
+release of it is tested."""
 
 OVERRIDE_ENV = "VSHAPE_ALLOW_UNSUPPORTED_MEGATRON"
 """Set to 1 to run on an unsupported megatron-core anyway (a warning is logged)."""
@@ -118,10 +129,20 @@ def _metadata_version() -> str | None:
         return None
 
 
+def _series(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a release ("0.19.2", "0.19.2+1a2b3c4"); None for anything else."""
+    match = _RELEASE.match(version.split("+", 1)[0])
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
 def is_supported(version: str) -> bool:
     """Whether ``version`` (e.g. "0.19.2") is a release of a supported series."""
-    match = _RELEASE.match(version.split("+", 1)[0])
-    return match is not None and (int(match[1]), int(match[2])) in SUPPORTED_SERIES
+    return _series(version) in SUPPORTED_SERIES
+
+
+def is_preview(version: str) -> bool:
+    """Whether ``version`` is a release of :data:`PREVIEW_SERIES` (tested on main only)."""
+    return _series(version) in PREVIEW_SERIES
 
 
 def check_megatron_core_version(version: str | None = None,
@@ -130,8 +151,9 @@ def check_megatron_core_version(version: str | None = None,
 
     ``version`` defaults to the installed one; ``environ`` to ``os.environ``. Raises
     :class:`UnsupportedMegatronError` naming the version found, the supported ones and the
-    override; with ``VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1`` logs a warning instead. Called by
-    :func:`megatron_vshape.install` and by the Megatron-LM glue.
+    override; with ``VSHAPE_ALLOW_UNSUPPORTED_MEGATRON=1`` logs a warning instead. A release of
+    a :data:`PREVIEW_SERIES` passes with a warning naming the main commit it was tested on.
+    Called by :func:`megatron_vshape.install` and by the Megatron-LM glue.
     """
     environ = os.environ if environ is None else environ
     found = installed_megatron_core_version() if version is None else version
@@ -139,6 +161,11 @@ def check_megatron_core_version(version: str | None = None,
         raise ImportError(f"megatron-core is not installed; megatron-vshape supports "
                           f"{supported_description()}: pip install 'megatron-core==0.16.*'")
     if is_supported(found):
+        return found
+    if is_preview(found):
+        series = ".".join(map(str, _series(found)))
+        log.warning("megatron-core %s: megatron-vshape has tested %s only on %s, not on a %s "
+                    "release yet", found, series, PREVIEW_SERIES[_series(found)], series)
         return found
     message = (f"megatron-core {found} is not supported by megatron-vshape (supported: "
                f"{supported_description()} releases)")

@@ -5,7 +5,8 @@ module global of ``megatron.core.tensor_parallel.layers`` at call time. :func:`p
 puts a subclass there whose backward, for a weight that a chunk registered with its
 :class:`..runtime.wgrad.WeightGradStore`, splits the pass (paper, section 2)::
 
-    B:  dX = dY W  (+ tensor-parallel all-reduce, or reduce-scatter with sequence parallel)
+    B:  dY in the input's dtype (megatron-core 0.20, whose forward may output another)
+        dX = dY W  (+ tensor-parallel all-reduce, or reduce-scatter with sequence parallel)
         db = sum(dY)
     W:  dW = dY^T X  (X re-gathered over tensor-parallel ranks with sequence parallel)
         into main_grad (gradient-accumulation fusion) or grad, then the DDP hooks
@@ -53,7 +54,8 @@ def _deferrable_function():
             # The Parameter itself: saved tensors may come back as other Python objects.
             ctx.vshape_weight = weight
             # backward returns one gradient per forward input: 9 in megatron-core 0.16,
-            # 10 in 0.19 (gtp_remat_size), counted here rather than per version
+            # 10 in 0.19 (gtp_remat_size), 11 in 0.20 (output_dtype), counted here rather
+            # than per version
             ctx.vshape_inputs = 2 + len(rest)
             return base.forward(ctx, input_, weight, *rest)
 
@@ -64,6 +66,7 @@ def _deferrable_function():
             if not _deferrable(ctx, weight):
                 return base.backward(ctx, grad_output)
             input_, _ = ctx.saved_tensors
+            grad_output = _as_megatron_casts(ctx, grad_output)
             grad_input = _input_grad(ctx, grad_output, weight)
             grad_bias = (grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
                          if ctx.use_bias else None)
@@ -82,6 +85,14 @@ def _deferrable(ctx, weight) -> bool:
     GTP re-materialisation, ``gtp_remat_size > 1``, shards it: megatron's own path then)."""
     return (getattr(weight, _STORE, None) is not None and ctx.grad_output_buffer is None
             and getattr(ctx, "gtp_remat_size", 1) <= 1)
+
+
+def _as_megatron_casts(ctx, grad_output):
+    """dY in the dtype megatron's backward computes with. From megatron-core 0.20 the forward
+    may output another dtype than its input (``output_dtype``, e.g. fp32 logits of a bf16
+    GEMM), and the backward first casts dY to the input's dtype (``ctx.input_dtype``), so both
+    gradients come out in it; earlier releases save no ``input_dtype`` and use dY as it is."""
+    return grad_output.to(getattr(ctx, "input_dtype", grad_output.dtype))
 
 
 def _input_grad(ctx, grad_output, weight):

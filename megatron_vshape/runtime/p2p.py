@@ -38,7 +38,8 @@ class TensorSpec:
     """Shape and dtype of the tensors crossing a stage boundary (activations and gradients).
 
     ``shape`` may be a callable ``(boundary, microbatch) -> shape`` when stages differ; with
-    ``variable=True`` shapes travel with every message instead (e.g. variable sequence lengths).
+    ``variable=True`` shapes travel with every message instead (e.g. variable sequence lengths)
+    and ``shape`` is the largest message (what a hop's latency is measured with).
     """
 
     shape: tuple | Callable[[int, int], tuple] = ()

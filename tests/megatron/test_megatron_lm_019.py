@@ -16,7 +16,9 @@ within 1e-5 relative (REL: the schedules differ only in the order gradients accu
 microbatches).
 
 megatron-core 0.18.2 with its own training code (../shared/megatron-lm-0.18, which takes a
-config container too) runs the tests marked ``megatron_matrix`` here (.ci/megatron-versions).
+config container too), and megatron-core 0.20.0 with Megatron-LM main (../shared/megatron-lm-main,
+core and training code of one commit), run the tests marked ``megatron_matrix`` here
+(.ci/megatron-versions).
 """
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ def _megatron_core() -> str:
         return "none"
 
 
-if not _megatron_core().startswith(("0.18.", "0.19.")):
-    pytest.skip(f"the config-container training code (core_v0.18.2, the 0.19 era) pairs with "
-                f"megatron-core 0.18 or 0.19, not {_megatron_core()}", allow_module_level=True)
+if not _megatron_core().startswith(("0.18.", "0.19.", "0.20.")):
+    pytest.skip(f"the config-container training code (core_v0.18.2, the 0.19 era, main) pairs "
+                f"with megatron-core 0.18, 0.19 or 0.20, not {_megatron_core()}",
+                allow_module_level=True)
 
 PP2DP2 = ["--pipeline-model-parallel-size", "2"]
 """PP 2 x DP 2 with megatron's plain optimizer, tied embeddings (rank 0's two copies of the word

@@ -103,10 +103,10 @@ def test_patch_megatron_lm_refuses_an_unsupported_megatron_core_first(monkeypatc
     from megatron_vshape.megatron import versions
     from megatron_vshape.megatron.megatron_lm_patch import patch_megatron_lm
 
-    monkeypatch.setattr(versions, "installed_megatron_core_version", lambda: "0.20.0")
+    monkeypatch.setattr(versions, "installed_megatron_core_version", lambda: "0.21.0")
     monkeypatch.delenv(versions.OVERRIDE_ENV, raising=False)
     monkeypatch.setitem(sys.modules, "megatron.training", None)  # importing it would fail
-    with pytest.raises(versions.UnsupportedMegatronError, match=r"megatron-core 0\.20\.0 is not "
+    with pytest.raises(versions.UnsupportedMegatronError, match=r"megatron-core 0\.21\.0 is not "
                                                                 "supported"):
         patch_megatron_lm()
 

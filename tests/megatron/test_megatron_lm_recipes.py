@@ -262,9 +262,9 @@ def _training_code() -> str:
     return code
 
 
-PAIRS = (("0.16", False), ("0.17", False), ("0.18", True), ("0.19", True))
+PAIRS = (("0.16", False), ("0.17", False), ("0.18", True), ("0.19", True), ("0.20", True))
 """(megatron-core release, whether its training code takes a config container) of the
-supported pairs: 0.18 introduced the container."""
+supported pairs: 0.18 introduced the container; 0.20 is main's (core and code of one commit)."""
 
 
 def _request(code: str) -> dict:

@@ -288,3 +288,24 @@ def test_a_stage_whose_forwards_are_out_of_order_is_refused_before_any_pass():
     swapped = schedule.with_actions([order] + list(schedule.rank_actions[1:]))
     with pytest.raises(ValueError, match=r"before stage 0's microbatch 0"):
         MegatronStages(swapped, 0, chunks, None, [None, None], None)
+
+
+@pytest.mark.parametrize("variable", [False, True])
+@pytest.mark.parametrize("sequence_parallel,shape", [(False, (16, 2, 8)), (True, (8, 2, 8))])
+def test_message_spec_has_the_largest_messages_shape_under_variable_lengths(
+        variable, sequence_parallel, shape):
+    """megatron-core 0.19 on answers ``[()]`` from get_tensor_shapes for variable sequence
+    lengths; the spec then still has the largest message's shape (seq 32 over CP 2, over TP 2
+    with sequence parallel; what re-planning measures a hop with), messages carry their own,
+    and the caller's config is left as it is."""
+    from megatron_vshape.megatron.forward_backward import message_spec
+
+    config = types.SimpleNamespace(variable_seq_lengths=variable, hidden_size=8,
+                                   sequence_parallel=sequence_parallel, pipeline_dtype=None)
+    before = dict(vars(config))
+    pg = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 2),
+                               cp=types.SimpleNamespace(size=lambda: 2))
+    spec = message_spec(config, pg, seq_length=32, micro_batch_size=2, decoder_seq_length=None,
+                        adjust=None, device="cpu")
+    assert spec.shape == shape and spec.variable is variable
+    assert vars(config) == before

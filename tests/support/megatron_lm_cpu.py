@@ -100,7 +100,14 @@ def _stand_in_batch_invariant_kernels() -> None:
     imports triton (GPU only, absent from CPU torch). A stand-in module takes its place; a fake
     ``triton`` would stay importable and mislead torch's inductor, which probes for it (0.19:
     initialize.py:26 imports it too; megatron-core 0.19 needs the triton stand-in anyway,
-    :func:`_let_megatron_import`, and this module still takes the kernels' place)."""
+    :func:`_let_megatron_import`, and this module still takes the kernels' place).
+
+    Not from megatron-core main (0.20) on: megatron.core itself imports more of its names
+    (core/tensor_parallel/inference_layers.py:28, core/inference/moe/batch_invariant.py:14),
+    and the real module imports under the triton stand-in (it falls back to stand-ins of its
+    own where triton's pieces are missing, batch_invariant_kernels.py:17-28)."""
+    if _megatron_core_minor() >= 20:
+        return
     name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
     def refuse(*args, **kwargs):

@@ -41,14 +41,16 @@ REPO = TESTS.parent
 def _default_training_code() -> Path:
     """The training code beside the checkout that pairs with the installed megatron-core:
     ../shared/megatron-lm (tag core_v0.16.1) for 0.16 and older, ../shared/megatron-lm-0.17,
-    -0.18 and -0.19 for those, the 0.19-era code for anything newer."""
+    -0.18 and -0.19 for those, Megatron-LM main (../shared/megatron-lm-main, whose core says
+    0.20.0) for anything newer."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         minor = int(version("megatron-core").split(".")[1])
     except PackageNotFoundError:
         minor = 16
-    folder = "megatron-lm" if minor <= 16 else f"megatron-lm-0.{min(minor, 19)}"
+    folder = ("megatron-lm" if minor <= 16 else "megatron-lm-main" if minor >= 20
+              else f"megatron-lm-0.{minor}")
     return REPO.parent / "shared" / folder
 
 
@@ -67,12 +69,28 @@ _GRACE_SECONDS = 20.0
 """After one rank fails, how long the others get to fail on their own before being killed."""
 
 
+def _installed_core_first() -> list:
+    """Where the installed megatron-core lives, when the training code's folder carries a
+    megatron/core of its own (Megatron-LM main, ../shared/megatron-lm-main): that source would
+    shadow the installed build, whose compiled dataset helpers (megatron/core/datasets/
+    helpers_cpp, built with the wheel) it lacks. Empty for the other folders."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    if not (MEGATRON_LM / "megatron" / "core").is_dir():
+        return []
+    try:
+        return [str(distribution("megatron-core").locate_file(""))]
+    except PackageNotFoundError:
+        return []
+
+
 def megatron_lm_env(extra_paths=()) -> dict:
     """The environment of a CPU Megatron-LM run: Megatron-LM and the test support importable,
     one OpenMP thread per process (as torchrun sets), CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM
     asks for it with TP > 1)."""
     env = dict(os.environ)
-    paths = [str(p) for p in extra_paths] + [str(TESTS), str(MEGATRON_LM)]
+    paths = [str(p) for p in extra_paths] + [str(TESTS), *_installed_core_first(),
+                                             str(MEGATRON_LM)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env.update(PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1",
