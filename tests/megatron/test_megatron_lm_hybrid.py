@@ -14,7 +14,7 @@ grad norms, validation losses and logged MoE losses within 1e-5 relative (REL):
                   '|' segments read as the V's 4 stages ("*-E|-*|-E|-": stages of 3,2,2,1
                   layers, rank 0 holding stages 0 and 3); v-half resumed at iteration 2 from
                   1f1b's checkpoint
-    PP 4          every V and zb-1p (8 stages of one layer under the V)
+    PP 4          v-half, v-zb and zb-1p (8 stages of one layer under the V)
 
 1f1b runs ``*-E-|*-E-`` (PP segments: megatron's placement) at PP 2; PP 4 runs ``*E-E*E-E``
 (1f1b: ``*E|-E|*E|-E``), so that every rank holds an MoE layer (PATTERN_PP4). Under the V the linears' weight gradients run in W (TE's own split: W calls backward_dw);
@@ -120,8 +120,10 @@ def test_hybrid_pattern_segments_are_the_v_stages(runs):
     assert "layers per V stage: 3,2,2,1" in got.log(0)
 
 
-@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto", "zb-1p"])
+@pytest.mark.parametrize("schedule", ["v-half", "v-zb", "zb-1p"])
 def test_hybrid_pp4_trains_like_1f1b(runs, schedule):
+    """PP 4 under the V's two extreme memory levels and zb-1p (v-min and auto run at PP 2:
+    CI's 0.19 tier is kept within its time)."""
     got = _run(runs, "pp4", schedule, EVEN["pp4"], schedule)
     _check(got, _reference(runs, "pp4"), f"hybrid pp4 {schedule}")
 
