@@ -71,9 +71,9 @@ def main() -> None:
         import pretrain_gpt
         from gpt_builders import gpt_builder
     except ImportError as err:
-        raise SystemExit(f"pretrain_gpt_vshape.py needs Megatron-LM's training code (tag "
-                         f"core_v0.16.1, or the megatron-core 0.19 era) on PYTHONPATH: export "
-                         f"PYTHONPATH=$MEGATRON_LM:$PYTHONPATH ({err})")
+        raise SystemExit(f"pretrain_gpt_vshape.py needs Megatron-LM's training code of your "
+                         f"megatron-core release (core_v0.16.1 to 0.19, or main) on PYTHONPATH: "
+                         f"export PYTHONPATH=$MEGATRON_LM:$PYTHONPATH ({err})")
     run(pretrain_gpt, gpt_builder, pretrain_gpt.get_embedding_ranks)
 
 
@@ -131,7 +131,7 @@ def run(training, builder, standard_embedding_ranks, v_builder=None) -> None:
             training.is_dataset_built_on_rank = \
                 lambda vp_stage=None, **_: vbatch.is_v_dataset_rank(packed=get_args().sft)
         return training.train_valid_test_datasets_provider(train_val_test_num_samples,
-                                                               vp_stage=vp_stage)
+                                                           vp_stage=vp_stage)
 
     datasets.is_distributed = True
 

@@ -3,8 +3,8 @@
 Two training loops are supported (:data:`SUPPORTED`): the one whose pretrain() parses the flags
 (Megatron-LM tags core_v0.16.1 and core_v0.17.1, with megatron-core 0.16 and 0.17), and the one
 that takes a config container (core_v0.18.2 and the 0.19-era training code, Megatron-LM main at
-54045a5, with megatron-core 0.18 and 0.19.2); :func:`patch_megatron_lm` first refuses another megatron-core
-(versions.check_megatron_core_version). Each change below is found by the name it replaces,
+54045a5, with megatron-core 0.18 and 0.19.2); :func:`patch_megatron_lm` first refuses another
+megatron-core (versions.check_megatron_core_version). Each change below is found by the name it replaces,
 not by a version.
 :func:`patch_megatron_lm` makes the changes that pretrain()'s arguments cannot express (the
 only code here that imports ``megatron.training``; the script calls it before pretrain())::
