@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
 
 import megatron_vshape
-from support.megatron_lm_launch import MEGATRON_LM, REPO, TAKES_CONFIG_CONTAINER, megatron_lm_env
+from support.megatron_lm_launch import REPO, megatron_lm_env, unpaired_reason
 from support.megatron_lm_tier import TINY_GPT
 
 pytestmark = [pytest.mark.megatron_versions, pytest.mark.slow]
@@ -63,23 +62,11 @@ REFUSED = {
 }
 
 
-def _paired() -> str | None:
-    if not (MEGATRON_LM / "megatron" / "training").is_dir():
-        return f"Megatron-LM's training code is not at {MEGATRON_LM}"
-    try:
-        core = version("megatron-core")
-    except PackageNotFoundError:
-        return "megatron-core is not installed"
-    if (core[:4], TAKES_CONFIG_CONTAINER) not in (("0.16", False), ("0.19", True)):
-        return f"megatron-core {core} does not pair with the training code at {MEGATRON_LM}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def parsed():
     """Every case under every schedule, in one worker process: {case: {schedule: run}}."""
-    if _paired() is not None:
-        pytest.skip(_paired())
+    if unpaired_reason() is not None:
+        pytest.skip(unpaired_reason())
     cases = {**{k: v[0] for k, v in ACCEPTED.items()}, **{k: v[0] for k, v in REFUSED.items()}}
     request = {"script": str(SCRIPT), "recipes": [
         {"name": name, "argv": MODEL + flags, "env": {}, "world_size": 2, "droppable": [],

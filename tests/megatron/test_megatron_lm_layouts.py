@@ -29,11 +29,9 @@ a V of another layout. Runs under Megatron-LM core_v0.16.1 with megatron-core 0.
 """
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 import pytest
 
-from support.megatron_lm_launch import MEGATRON_LM, TAKES_CONFIG_CONTAINER, Launcher
+from support.megatron_lm_launch import Launcher, unpaired_reason
 from support.megatron_lm_tier import (
     ITERS, TINY_GPT, Run, Runs, assert_same_mtp_losses, assert_same_training,
     initial_checkpoint)
@@ -41,22 +39,8 @@ from support.megatron_lm_tier import (
 pytestmark = [pytest.mark.e2e, pytest.mark.megatron_versions]
 
 
-def _paired() -> str | None:
-    """Why this environment cannot run the tier (None: it can): megatron-core 0.16 with
-    core_v0.16.1, or 0.19 with the 0.19-era training code."""
-    if not (MEGATRON_LM / "megatron" / "training").is_dir():
-        return f"Megatron-LM's training code is not at {MEGATRON_LM}"
-    try:
-        core = version("megatron-core")
-    except PackageNotFoundError:
-        return "megatron-core is not installed"
-    if (core[:4], TAKES_CONFIG_CONTAINER) not in (("0.16", False), ("0.19", True)):
-        return f"megatron-core {core} does not pair with the training code at {MEGATRON_LM}"
-    return None
-
-
-if _paired() is not None:
-    pytest.skip(_paired(), allow_module_level=True)
+if unpaired_reason() is not None:
+    pytest.skip(unpaired_reason(), allow_module_level=True)
 
 NPROC = 2
 MODEL = ["--pipeline-model-parallel-size", "2", "--num-layers", "7", "--vocab-size", "4096"]

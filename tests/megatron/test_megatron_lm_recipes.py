@@ -34,7 +34,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -42,7 +42,7 @@ import yaml
 
 import megatron_vshape
 from megatron_vshape.megatron.features import SETTINGS, Family, Verdict, family_of
-from support.megatron_lm_launch import MEGATRON_LM, REPO, TAKES_CONFIG_CONTAINER, megatron_lm_env
+from support.megatron_lm_launch import MEGATRON_LM, REPO, megatron_lm_env, unpaired_reason
 
 pytestmark = [pytest.mark.megatron_versions, pytest.mark.slow]
 
@@ -241,25 +241,12 @@ def command_line(recipe: Recipe) -> tuple:
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def _megatron_core() -> str | None:
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        return None
-
-
 def _training_code() -> str:
-    """'0.16' to '0.19': the supported pair this environment is, else skip."""
-    core = _megatron_core()
-    if core is None:
-        pytest.skip("megatron-core is not installed")
-    if not (MEGATRON_LM / "megatron" / "training").is_dir():
-        pytest.skip(f"Megatron-LM's training code is not at {MEGATRON_LM}")
-    code = ".".join(core.split(".")[:2])
-    if (code, TAKES_CONFIG_CONTAINER) not in PAIRS:
-        pytest.skip(f"megatron-core {core} does not pair with the training code at "
-                    f"{MEGATRON_LM} (each release with its own Megatron-LM tag's code)")
-    return code
+    """'0.16' to '0.20': the supported pair this environment is (:data:`PAIRS`), else skip."""
+    reason = unpaired_reason(PAIRS)
+    if reason is not None:
+        pytest.skip(f"{reason} (each release with its own Megatron-LM tag's code)")
+    return ".".join(version("megatron-core").split(".")[:2])
 
 
 PAIRS = (("0.16", False), ("0.17", False), ("0.18", True), ("0.19", True), ("0.20", True))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Launcher", "RunResult", "megatron_lm_env", "MEGATRON_LM", "REPO",
-           "TAKES_CONFIG_CONTAINER"]
+           "TAKES_CONFIG_CONTAINER", "TIER_PAIRS", "unpaired_reason"]
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -60,6 +60,28 @@ TAKES_CONFIG_CONTAINER = (MEGATRON_LM / "megatron" / "training" / "config" /
                           "container.py").is_file()
 """Whether that code's pretrain() takes a config container (the 0.19 era) rather than parsing
 the flags itself (core_v0.16.1): which test tier it belongs to."""
+
+
+TIER_PAIRS = (("0.16", False), ("0.19", True))
+"""(megatron-core release, whether its training code takes a config container) of the two CI
+environments that run every real-loop tier (the matrix releases run only their subset)."""
+
+
+def unpaired_reason(pairs=TIER_PAIRS) -> str | None:
+    """Why this environment cannot run a real-loop tier (None: it can): the training code is
+    missing, megatron-core is not installed, or its release and the training code at
+    :data:`MEGATRON_LM` are not one of ``pairs``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if not (MEGATRON_LM / "megatron" / "training").is_dir():
+        return f"Megatron-LM's training code is not at {MEGATRON_LM}"
+    try:
+        core = version("megatron-core")
+    except PackageNotFoundError:
+        return "megatron-core is not installed"
+    if (core[:4], TAKES_CONFIG_CONTAINER) not in pairs:
+        return f"megatron-core {core} does not pair with the training code at {MEGATRON_LM}"
+    return None
 
 _PRELOAD = ("megatron.training.training", "megatron.training.checkpointing", "pretrain_gpt",
             "gpt_builders", "model_provider", "megatron_vshape.megatron.arguments",
