@@ -48,10 +48,20 @@ def _log_on_rank_0() -> None:
     logger.propagate = False
 
 
-def _schedule() -> str:
-    from megatron.training import get_args
+def _config():
+    """The plugin's configuration, installed by Megatron-LM's validate_args (megatron_lm_patch):
+    the one place the running schedule is read from once flags are parsed."""
+    from megatron_vshape.megatron.install import installed_config
 
-    return get_args().pipeline_schedule
+    config = installed_config()
+    if config is None:
+        raise RuntimeError("the plugin's schedule is not installed: pretrain_gpt_vshape.py "
+                           "needs Megatron-LM's validate_args to run first (patch_megatron_lm)")
+    return config
+
+
+def _schedule() -> str:
+    return _config().schedule
 
 
 class _BySchedule:
@@ -105,7 +115,7 @@ def run(training, builder, standard_embedding_ranks, v_builder=None) -> None:
         return providers.VChunkProvider(
             v_base, lambda: core_transformer_config_from_args(get_args()),
             te_delay_wgrad=get_args().transformer_impl == "transformer_engine",
-            stage_layers=get_args().vshape_stage_layers)
+            stage_layers=_config().stage_layers)
 
     def v_provider(*args, **kwargs):
         recheck_arguments(get_args())

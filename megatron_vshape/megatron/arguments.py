@@ -165,8 +165,9 @@ def stand_in_notice(args) -> str | None:
             f"losses (docs/training.md); {STRICT_FLAG} refuses them instead")
 
 
-def vshape_config(args) -> VShapeConfig:
-    """The plugin's configuration from checked arguments."""
+def vshape_config(args, stage_layers=None) -> VShapeConfig:
+    """The plugin's one configuration, from checked arguments and a V's ``stage_layers``
+    (megatron_lm_patch reads them from the layout flags or the hybrid pattern)."""
     auto = args.pipeline_schedule == "auto"
     variant = args.pipeline_schedule_variant
     return VShapeConfig(schedule=args.pipeline_schedule,
@@ -174,4 +175,5 @@ def vshape_config(args) -> VShapeConfig:
                         replan_after=args.pipeline_replan_after
                         if replans(args.pipeline_schedule, variant) else 0,
                         variant=variant,
-                        losses_on_last_rank=True, timeout=args.pipeline_p2p_timeout)
+                        losses_on_last_rank=True, timeout=args.pipeline_p2p_timeout,
+                        stage_layers=stage_layers)

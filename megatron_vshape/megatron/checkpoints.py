@@ -23,33 +23,39 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from .install import installed_config
+
 __all__ = ["layout_of", "check_optimizer_layout", "checked_load_checkpoint"]
 
 def layout_of(args) -> str:
     """The chunk layout a Megatron-LM argument namespace runs (or a checkpoint was saved with):
     'v', 'loop' or 'single'. Checkpoints without --pipeline-schedule come from Megatron-LM's own
     scripts: interleaved with virtual stages, else 1F1B."""
+    return _layout(getattr(args, "pipeline_schedule", None),
+                   getattr(args, "virtual_pipeline_model_parallel_size", None))
+
+
+def _layout(schedule: str | None, virtual_stages: int | None) -> str:
     from ..schedule.names import V_SCHEDULES
 
-    schedule = getattr(args, "pipeline_schedule", None)
     if schedule in V_SCHEDULES:
         return "v"
-    if schedule == "interleaved-1f1b" or (schedule is None and
-                                          (getattr(args, "virtual_pipeline_model_parallel_size",
-                                                   None) or 1) > 1):
+    if schedule == "interleaved-1f1b" or (schedule is None and (virtual_stages or 1) > 1):
         return "loop"
     return "single"
 
 
-def check_optimizer_layout(ckpt_args, sharding_type: str | None, args, where: str) -> None:
-    """Raise ValueError when ``where``'s distributed-optimizer state cannot load into this run's
-    chunk layout (module doc); say which schedule saved it and the two ways out."""
+def check_optimizer_layout(ckpt_args, sharding_type: str | None, schedule: str,
+                           where: str) -> None:
+    """Raise ValueError when ``where``'s distributed-optimizer state cannot load into the chunk
+    layout of ``schedule`` (this run's, as installed: install.installed_config; module doc);
+    say which schedule saved it and the two ways out."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if sharding_type is None or sharding_type in \
             DistributedOptimizer.checkpoint_fully_reshardable_formats:
         return
-    saved, running = layout_of(ckpt_args), layout_of(args)
+    saved, running = layout_of(ckpt_args), _layout(schedule, None)
     if saved == running:
         return
     saved_by = getattr(ckpt_args, "pipeline_schedule", None) or \
@@ -57,7 +63,7 @@ def check_optimizer_layout(ckpt_args, sharding_type: str | None, args, where: st
     raise ValueError(
         f"checkpoint {where} holds distributed-optimizer state in megatron's {sharding_type} "
         f"format, laid out by the gradient buckets of --pipeline-schedule {saved_by} ({saved} "
-        f"layout); --pipeline-schedule {args.pipeline_schedule} builds other buckets ({running} "
+        f"layout); --pipeline-schedule {schedule} builds other buckets ({running} "
         f"layout). Resume it once under --pipeline-schedule {saved_by} with "
         "--dist-ckpt-optim-fully-reshardable (pretrain_gpt_vshape.py's default), which saves "
         "optimizer state that loads under any schedule, or start this run from its weights "
@@ -97,5 +103,5 @@ def _check_saved_layout(load_dir, args) -> None:
             getattr(state.get("args"), "no_save_optim", False):
         return
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=state) or {}
-    check_optimizer_layout(state.get("args"), metadata.get("distrib_optim_sharding_type"), args,
-                           name)
+    check_optimizer_layout(state.get("args"), metadata.get("distrib_optim_sharding_type"),
+                           installed_config().schedule, name)

@@ -379,7 +379,7 @@ SETTINGS = (
             "own placement (PP segments, or none). megatron-core's hybrid layer specs are "
             "Transformer Engine's only (the stand-in on CPU); TE's own W split covers their "
             "linears (the MoE layers' router stays in B, as for GPT)",
-            HYBRID + " (PP 2: every V and zb-1p; PP 4: v-half, v-zb, zb-1p; a 1f1b "
+            HYBRID + " (PP 2 and PP 4: every V and zb-1p; a 1f1b "
             "checkpoint resumed)",
             since="0.17"),
     Setting("--hybrid-layer-pattern with Mamba (M), GDN (G), DSA (D), MLA (+) layers",

@@ -28,8 +28,8 @@ from .model import is_v_placed
 from .touch_points import check_touch_points
 from .versions import check_megatron_core_version
 
-__all__ = ["VShapeConfig", "install", "uninstall", "OURS", "MEGATRON_SCHEDULES",
-           "VPlacementError", "ForwardBackwardGetter"]
+__all__ = ["VShapeConfig", "install", "uninstall", "installed_config", "OURS",
+           "MEGATRON_SCHEDULES", "VPlacementError", "ForwardBackwardGetter"]
 
 OURS = PLUGIN_SCHEDULES
 """Schedules this plugin runs; 1f1b and interleaved-1f1b stay megatron's own
@@ -69,6 +69,10 @@ class VShapeConfig:
     """Hand the loss dicts to the last pipeline rank, where Megatron-LM's loop logs them."""
     timeout: float = 600.0
     """Seconds a point-to-point wait may take before failing with rank, step and action."""
+    stage_layers: tuple[int, ...] | None = None
+    """A V's transformer layers in each of its 2p stages, in V order (megatron's layout flags
+    or a hybrid pattern, read at argument checking: stage_layout.py, hybrid.py), which the V's
+    model provider builds and the memory report weighs; None: the even split."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", checked_settings(
@@ -171,6 +175,15 @@ def install(config: VShapeConfig = VShapeConfig()) -> VShapeConfig:
         raise ImportError("megatron-core is not importable: pip install 'megatron-core==0.16.*'")
     _guard_megatron_schedules(sys.modules[_SCHEDULES_MODULE])
     return config
+
+
+def installed_config() -> VShapeConfig | None:
+    """The configuration :func:`install` put in megatron's schedule choice, None before (or
+    after :func:`uninstall`): the one object the training script, the DDP config and the
+    memory report read the running schedule from, so that it is decided once, from the
+    arguments, and never re-read from Megatron-LM's global args."""
+    getter = getattr(sys.modules.get(_NAMESPACES[1]), "get_forward_backward_func", None)
+    return getter.config if isinstance(getter, ForwardBackwardGetter) else None
 
 
 def uninstall() -> None:

@@ -12,15 +12,17 @@ only code here that imports ``megatron.training``; the script calls it before pr
     validate_args (where it is called from: core_v0.16.1's initialize, 0.19's arguments)
               our checks first (every problem in one error naming its flags; the default
               schedule filled in); a V's stage layout read from megatron's layer-placing
-              flags (stage_layout.py) into args.vshape_stage_layers, the flags cleared;
+              flags (stage_layout.py) or the hybrid pattern, the flags cleared;
               then Megatron-LM's with the V's
               uneven layer count hidden from its "num_layers % PP" check; then two chunks per
               rank (virtual_pipeline_model_parallel_size = 2), and align_param_gather as the
               user set it (Megatron-LM clears it for what it takes for a one-chunk schedule,
               so --overlap-param-gather would lose its param_sync_func per chunk); then
-              installs the schedule and checks that train() and evaluate() will call it
-              (:func:`check_schedule_binding`); names the settings only a CPU stand-in proves
-              (arguments.stand_in_notice)
+              installs the schedule's one configuration (install.VShapeConfig, built from
+              the checked arguments and the stage layout; everything after reads it through
+              install.installed_config, never Megatron-LM's args again) and checks that
+              train() and evaluate() will call it (:func:`check_schedule_binding`); names
+              the settings only a CPU stand-in proves (arguments.stand_in_notice)
     training.DistributedDataParallelConfig
               delay_wgrad_compute=True, so DDP's hooks wait for W (the model's own
               TransformerConfig must not get it: megatron allows it for MoE only)
@@ -31,7 +33,7 @@ only code here that imports ``megatron.training``; the script calls it before pr
               refuses distributed-optimizer state of another chunk layout (checkpoints.py)
     training.report_theoretical_memory
               the V's activation memory (its simulated peak relative to 1F1B, each stage's
-              activations weighted by its layers, args.vshape_stage_layers), not the
+              activations weighted by its layers, VShapeConfig.stage_layers), not the
               interleaved schedule's penalty that virtual_pipeline_model_parallel_size = 2
               would otherwise select; weights of the rank holding the most layers
     get_forward_backward_func
@@ -49,7 +51,7 @@ import sys
 
 from .checkpoints import checked_load_checkpoint
 from .hybrid import hybrid_layer_count, hybrid_stage_layers, v_pattern
-from .install import ForwardBackwardGetter, OURS, VShapeConfig
+from .install import ForwardBackwardGetter, OURS, VShapeConfig, installed_config
 from ..schedule.names import V_SCHEDULES
 from .arguments import check_arguments, stand_in_notice, vshape_config
 from .stage_layout import LAYOUT_FLAGS, v_stage_layout
@@ -194,8 +196,7 @@ def _validating(original):
             args.num_layers = hybrid_layer_count(args.hybrid_layer_pattern)  # it, for the checks
         check_arguments(args)
         v = args.pipeline_schedule in V_SCHEDULES
-        if v:
-            _place_v_stages(args)
+        stage_layers = _place_v_stages(args) if v else None
         layers, align = args.num_layers, getattr(args, "align_param_gather", None)
         if v and layers % args.pipeline_model_parallel_size:
             # Megatron-LM asks num_layers % PP == 0; the V places uneven counts itself
@@ -217,7 +218,7 @@ def _validating(original):
                          args.pipeline_schedule, align)
         import megatron_vshape
 
-        config = megatron_vshape.install(vshape_config(args))
+        config = megatron_vshape.install(vshape_config(args, stage_layers))
         check_schedule_binding(config)
         log.info("[vshape] pipeline schedule %s installed", args.pipeline_schedule)
         notice = stand_in_notice(args)
@@ -228,27 +229,27 @@ def _validating(original):
     return validate_args
 
 
-def _place_v_stages(args) -> None:
-    """A V's stage layout into ``args.vshape_stage_layers`` (the layers of each of the 2p
-    stages, which the V's model provider builds: stage_layout.py), and the flags that placed
+def _place_v_stages(args) -> tuple[int, ...]:
+    """A V's stage layout: the layers of each of the 2p stages (stage_layout.py, hybrid.py),
+    which the V's model provider builds (VShapeConfig.stage_layers), and the flags that placed
     them cleared: megatron's validate_args and TransformerConfig would read them in their
     interleaved order (a layout's stage s on rank s % p, first/last stage layers split over
     two chunks per rank), and Megatron-LM builds such configs from ``args`` again after
     validation (0.19 pretrain_gpt.py, get_embedding_ranks)."""
     if getattr(args, "hybrid_layer_pattern", None):  # its stages are the pattern's (hybrid.py)
-        args.vshape_stage_layers = hybrid_stage_layers(args.hybrid_layer_pattern,
-                                                       args.pipeline_model_parallel_size)
+        layers = tuple(hybrid_stage_layers(args.hybrid_layer_pattern,
+                                           args.pipeline_model_parallel_size))
         log.info("[vshape] %s hybrid stages %s (layers per V stage: %s)", args.pipeline_schedule,
                  v_pattern(args.hybrid_layer_pattern, args.pipeline_model_parallel_size),
-                 ",".join(map(str, args.vshape_stage_layers)))
-        return
+                 ",".join(map(str, layers)))
+        return layers
     layout = v_stage_layout(args)
     for name in LAYOUT_FLAGS:
         if hasattr(args, name):
             setattr(args, name, False if name.startswith("account_for") else None)
-    args.vshape_stage_layers = layout.layers
     log.info("[vshape] %s stage layout %s (layers per V stage: %s)", args.pipeline_schedule,
              layout.megatron_layout(), ",".join(map(str, layout.layers)))
+    return tuple(layout.layers)
 
 
 def _delayed_wgrad_ddp_config(base):
@@ -259,9 +260,8 @@ def _delayed_wgrad_ddp_config(base):
         vshape_delayed = True
 
         def __post_init__(self):
-            from megatron.training import get_args
-
-            if get_args().pipeline_schedule in OURS:
+            config = installed_config()
+            if config is not None and config.schedule in OURS:
                 self.delay_wgrad_compute = True
             super().__post_init__()
 
@@ -273,7 +273,7 @@ def v_activation_ratio(schedule_name: str, ranks: int, microbatches: int,
     """Peak activation memory of the schedule that runs, relative to 1F1B's with the layers
     split evenly (megatron's estimate): the plan ``auto`` re-planned to when it has run, else
     the schedule by name. ``stage_layers`` (the layers of each V stage,
-    ``args.vshape_stage_layers``) weight each stage's activations by its layers, so a rank
+    VShapeConfig.stage_layers) weight each stage's activations by its layers, so a rank
     given more layers peaks higher; None (or an even split) is the simulator's own ratio."""
     from megatron.core import pipeline_parallel
 
@@ -302,13 +302,12 @@ def _layer_weighted_peak(schedule, stage_layers, rank: int) -> float:
     return max(itertools.chain((0.0,), itertools.accumulate(steps)))
 
 
-def _most_loaded_layers(args) -> int | None:
+def _most_loaded_layers(args, layers) -> int | None:
     """``num_layers`` for megatron's weight formula (it counts num_layers / PP layers and the
     embedding on its most loaded rank): PP times the most layers any rank holds under the V's
-    stage layout, an upper bound where rank 0, which holds the embedding, holds fewer; None
-    without a layout or where megatron's formula reads a per-layer list (--moe-layer-freq as
-    a list), which another num_layers would not fit."""
-    layers = getattr(args, "vshape_stage_layers", None)
+    stage layout ``layers``, an upper bound where rank 0, which holds the embedding, holds
+    fewer; None without a layout or where megatron's formula reads a per-layer list
+    (--moe-layer-freq as a list), which another num_layers would not fit."""
     if not layers or isinstance(getattr(args, "moe_layer_freq", 1), list):
         return None
     p = args.pipeline_model_parallel_size
@@ -316,35 +315,37 @@ def _most_loaded_layers(args) -> int | None:
 
 
 def _v_theoretical_memory(original):
-    """report_theoretical_memory for V schedules: megatron's formulas for 1F1B (the
-    non-interleaved accounting), activations scaled by :func:`v_activation_ratio` of the V's
-    stage layers, weights counted for the rank with the most layers
-    (:func:`_most_loaded_layers`)."""
+    """report_theoretical_memory for V schedules (the installed VShapeConfig's): megatron's
+    formulas for 1F1B (the non-interleaved accounting), activations scaled by
+    :func:`v_activation_ratio` of the V's stage layers, weights counted for the rank with the
+    most layers (:func:`_most_loaded_layers`)."""
     if getattr(original, "vshape_original", None) is not None:
         return original
 
     @functools.wraps(original)
     def report_theoretical_memory(args, num_microbatches=None, verbose=False):
-        if getattr(args, "pipeline_schedule", None) not in V_SCHEDULES:
+        config = installed_config()
+        if config is None or config.schedule not in V_SCHEDULES:
             return original(args, num_microbatches=num_microbatches, verbose=verbose)
         from megatron.training import theoretical_memory_usage as usage
 
         one_chunk = copy.copy(args)
         one_chunk.virtual_pipeline_model_parallel_size = None
         most_loaded = copy.copy(one_chunk)
-        most_loaded.num_layers = _most_loaded_layers(args) or args.num_layers
+        most_loaded.num_layers = _most_loaded_layers(args, config.stage_layers) or \
+            args.num_layers
         mib = usage.NUM_BYTES_IN_MEGABYTE
         weights = usage.compute_weight_and_optimizer_memory(most_loaded) / mib
         activations = (usage.compute_activation_memory if args.sequence_parallel and
                        args.recompute_granularity == "selective" else
                        usage.compute_activation_memory_without_sp)
-        ratio = v_activation_ratio(args.pipeline_schedule, args.pipeline_model_parallel_size,
+        ratio = v_activation_ratio(config.schedule, args.pipeline_model_parallel_size,
                                    num_microbatches or args.pipeline_model_parallel_size,
-                                   getattr(args, "vshape_stage_layers", None))
+                                   config.stage_layers)
         activation = activations(one_chunk, num_microbatches=num_microbatches) / mib * ratio
         print(f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
               f"activation={activation:.2f} MB, total={weights + activation:.2f} MB "
-              f"({args.pipeline_schedule}: activations {ratio:.2f} x 1F1B's)\n", flush=True)
+              f"({config.schedule}: activations {ratio:.2f} x 1F1B's)\n", flush=True)
         return weights, activation, weights + activation
 
     report_theoretical_memory.vshape_original = original

@@ -25,7 +25,7 @@ class VChunkProvider:
     ``base(pre_process=, post_process=, vp_stage=, config=, pg_collection=)`` builds one GPT
     chunk (Megatron-LM's ``partial(model_provider, gpt_builder)``); ``config_factory()`` gives
     the TransformerConfig (``core_transformer_config_from_args(get_args())``);
-    ``stage_layers`` the layers of each V stage (``args.vshape_stage_layers``: stage_layout.py),
+    ``stage_layers`` the layers of each V stage (VShapeConfig.stage_layers: stage_layout.py),
     None for the even split.
     """
 

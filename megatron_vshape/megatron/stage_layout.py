@@ -24,7 +24,7 @@ prediction sits in stage 2p-1 beside the LM head, as under the V without a layou
 
 :func:`v_stage_layout` raises ValueError naming the flag and the valid choices; a run's
 checks collect it (arguments.py), and megatron_lm_patch.py hands the counts to the model
-(``args.vshape_stage_layers``), with the flags hidden from megatron's own config, which would
+(``VShapeConfig.stage_layers``), with the flags hidden from megatron's own config, which would
 read them in its interleaved order.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """megatron-core's HybridModel (``--hybrid-layer-pattern``) under the plugin's schedules, in
 Megatron-LM's own training loop: ``scripts/pretrain_hybrid_vshape.py`` (pretrain_hybrid.py's
-path with the plugin installed) on gloo processes, the 0.19-era training code with
-megatron-core 0.19.2 (hybrid_builders.py is absent from core_v0.16.1: the tier skips there).
+path with the plugin installed) on gloo processes, with the 0.19-era training code and
+megatron-core 0.19.2, and with Megatron-LM main and megatron-core main (0.20.0), as CI runs it
+(.ci/megatron-versions; hybrid_builders.py is absent from core_v0.16.1: the tier skips there).
 
 One tiny hybrid model of attention (``*``), MLP (``-``) and MoE (``E``) layers, 8 layers
 ``*-E-*-E-`` (the tiny GPT's sizes, 4 experts top-2), built from megatron-core's own hybrid
@@ -14,14 +15,13 @@ grad norms, validation losses and logged MoE losses within 1e-5 relative (REL):
                   '|' segments read as the V's 4 stages ("*-E|-*|-E|-": stages of 3,2,2,1
                   layers, rank 0 holding stages 0 and 3); v-half resumed at iteration 2 from
                   1f1b's checkpoint
-    PP 4          v-half, v-zb and zb-1p (8 stages of one layer under the V)
+    PP 4          every V and zb-1p (8 stages of one layer under the V)
 
 1f1b runs ``*-E-|*-E-`` (PP segments: megatron's placement) at PP 2; PP 4 runs ``*E-E*E-E``
 (1f1b: ``*E|-E|*E|-E``), so that every rank holds an MoE layer (PATTERN_PP4). Under the V the linears' weight gradients run in W (TE's own split: W calls backward_dw);
 nothing but the router is left in B.
 
-    MEGATRON_LM=../shared/megatron-lm-0.19 python -m pytest -q -m megatron_versions \\
-        tests/megatron/test_megatron_lm_hybrid.py
+    MEGATRON_LM=../shared/megatron-lm-0.19 python -m pytest -q -m megatron_hybrid tests
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from support.megatron_lm_tier import (
     ITERS, Run, Runs, TINY_GPT, assert_same_moe_metrics, assert_same_training,
     initial_checkpoint, schedule_flags)
 
-pytestmark = [pytest.mark.e2e, pytest.mark.megatron_versions]
+pytestmark = [pytest.mark.e2e, pytest.mark.megatron_versions, pytest.mark.megatron_hybrid]
 
 if not (MEGATRON_LM / "hybrid_builders.py").is_file():
     pytest.skip(f"{MEGATRON_LM} has no hybrid_builders.py (HybridModel's training code: the "
@@ -120,10 +120,9 @@ def test_hybrid_pattern_segments_are_the_v_stages(runs):
     assert "layers per V stage: 3,2,2,1" in got.log(0)
 
 
-@pytest.mark.parametrize("schedule", ["v-half", "v-zb", "zb-1p"])
+@pytest.mark.parametrize("schedule", ["v-min", "v-half", "v-zb", "auto", "zb-1p"])
 def test_hybrid_pp4_trains_like_1f1b(runs, schedule):
-    """PP 4 under the V's two extreme memory levels and zb-1p (v-min and auto run at PP 2:
-    CI's 0.19 tier is kept within its time)."""
+    """PP 4 x DP 1, 8 stages of one layer under the V."""
     got = _run(runs, "pp4", schedule, EVEN["pp4"], schedule)
     _check(got, _reference(runs, "pp4"), f"hybrid pp4 {schedule}")
 

@@ -1,7 +1,7 @@
 """Megatron-LM's layer-placing flags through its real parse_args and the validate_args that
 scripts/pretrain_gpt_vshape.py installs (support.megatron_lm_parse: no process group, no
 model), under every V schedule and zb-1p: what each accepts, the V's stage layers it hands the
-model provider (``args.vshape_stage_layers``: stage_layout.py), and each refusal's message.
+model provider (VShapeConfig.stage_layers: stage_layout.py), and each refusal's message.
 
 One worker process per megatron-core version, about 10-20 s; both CI environments run it
 (megatron-core 0.16.1 with core_v0.16.1, 0.19.2 with the 0.19-era training code)::

@@ -167,7 +167,7 @@ def test_dp_reshardable_optimizer_state_of_another_layout_is_refused():
     from megatron_vshape.megatron.checkpoints import check_optimizer_layout
 
     saved = _ns(virtual_pipeline_model_parallel_size=None)  # megatron's own pretrain_gpt.py
-    run = _ns(pipeline_schedule="v-min")
+    run = "v-min"  # the installed schedule
     with pytest.raises(ValueError, match=r"--pipeline-schedule 1f1b \(single layout\).*v-min "
                                          r"builds other buckets.*--no-load-optim"):
         check_optimizer_layout(saved, "dp_reshardable", run, "ckpt/iter_0000002")
@@ -176,8 +176,7 @@ def test_dp_reshardable_optimizer_state_of_another_layout_is_refused():
     check_optimizer_layout(saved, "fully_reshardable", run, "x")
     check_optimizer_layout(saved, "fully_sharded_model_space", run, "x")
     check_optimizer_layout(saved, None, run, "x")
-    check_optimizer_layout(_ns(pipeline_schedule="zb-1p"), "dp_reshardable",
-                           _ns(pipeline_schedule="1f1b"), "x")
+    check_optimizer_layout(_ns(pipeline_schedule="zb-1p"), "dp_reshardable", "1f1b", "x")
 
 
 def test_the_vs_embedding_copy_is_a_replica_that_is_never_made_main():

@@ -157,8 +157,10 @@ def _installed() -> dict:
 
     getter = training.get_forward_backward_func
     config = getattr(getter, "config", None)
+    layers = getattr(config, "stage_layers", None)
     return {"installed": getattr(config, "schedule", None),
-            "ours": getattr(getter, "ours", None) is not None}
+            "ours": getattr(getter, "ours", None) is not None,
+            "stage_layers": list(layers) if layers is not None else None}
 
 
 class _Reading:
@@ -208,9 +210,7 @@ def _recipe(setup: _Setup, recipe: dict) -> dict:
             flags = argv + (["--pipeline-schedule", schedule] if schedule else [])
             run, args = _run(setup, flags, setup.script_provider, setup.validate)
             if args is not None:
-                layers = getattr(args, "vshape_stage_layers", None)
-                run.update(_installed(), pipeline_schedule=args.pipeline_schedule,
-                           stage_layers=list(layers) if layers is not None else None)
+                run.update(_installed(), pipeline_schedule=args.pipeline_schedule)
             reply["runs"][schedule or "default"] = run
     return reply
 
