@@ -48,8 +48,10 @@ HYBRID = ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm",
 PATTERN = "*-E-*-E-"
 PATTERN_PP4 = "*E-E*E-E"
 """At PP 4 every rank holds an MoE layer, under 1f1b and under the V (stage s and 7-s): with
-PATTERN, 1f1b's ranks 0 and 2 hold none, and megatron's own 1f1b hangs in its first step on
-this CPU tier (not investigated; docs/training.md)."""
+PATTERN, 1f1b's ranks 0 and 2 hold none, and Megatron-LM's own pretrain_hybrid.py, without the
+plugin, hangs in its first training step on this CPU tier (0.19.2 with the 0.19-era training
+code, the TE stand-in, TINY_GPT + HYBRID flags: killed after 90 s, where PATTERN_PP4 trains 2
+iterations in 9 s; docs/training.md), so no 1f1b reference exists for it."""
 PP2 = HYBRID + ["--pipeline-model-parallel-size", "2"]
 PP4 = HYBRID + ["--pipeline-model-parallel-size", "4"]
 REFERENCE = {"pp2": PP2 + ["--hybrid-layer-pattern", "*-E-|*-E-"],
