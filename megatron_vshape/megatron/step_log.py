@@ -131,7 +131,10 @@ def _timed_pass(function, kind: str, meter: IterationMeter):
 def _plugin_runner(training):
     """The plugin's forward-backward function when the run's schedule is one of the plugin's
     (the installed getter's ``ours``), else None (megatron's own schedule)."""
-    return getattr(training.get_forward_backward_func, "ours", None)
+    from .install import ForwardBackwardGetter
+
+    getter = training.get_forward_backward_func
+    return getter.ours if isinstance(getter, ForwardBackwardGetter) else None
 
 
 def _logged_train_step(train_step, training, meter: IterationMeter):
