@@ -49,7 +49,7 @@ def register(sub) -> None:
     p.add_argument("--example", choices=["tiny"],
                    help="tiny: the bundled tiny recipe on 4 CPU processes (a repository "
                         "checkout and Megatron-LM's training code needed; what CI runs)")
-    p.add_argument("command", nargs="*", metavar="-- COMMAND",
+    p.add_argument("launch", nargs="*", metavar="-- COMMAND",
                    help="your launch command and its flags, after --")
     p.set_defaults(handler=_trial)
 
@@ -58,7 +58,7 @@ def _settings(args):
     from ..experiments.trial import TrialSettings
     from ..experiments.trial_example import tiny_example
 
-    command, env, cwd = list(args.command), {}, None
+    command, env, cwd = list(args.launch), {}, None
     if args.example:
         if command:
             raise ValueError("give either --example or a launch command after --, not both")
