@@ -135,3 +135,30 @@ def test_tiny_example_trains_like_1f1b_and_measures_every_rank(tmp_path):
     assert half["peak_vs_1f1b"] < 1.0
     assert abs(half["peak_vs_1f1b"] / half["simulated_peak_vs_1f1b"] - 1) <= 0.10, half
     assert (tmp_path / "trial.md").is_file() and (tmp_path / "trial.png").is_file()
+
+
+def test_step_log_lines_are_read_back_by_collect_and_the_trial():
+    """The lines megatron/step_log.py prints: collect's per-rank peaks and waiting share, the
+    trial's order (simulated exactly as it ran) and the stand-in notice."""
+    from megatron_vshape.experiments.collect import summarize
+    from megatron_vshape.experiments.logs import parse_log
+    from megatron_vshape.experiments.trial_report import _order
+    from megatron_vshape.schedule.registry import build_schedule
+
+    ran = build_schedule("v-half", 2, 4)
+    lines = ["[vshape] v-half: proven on CPU with stand-ins of GPU libraries only, not yet on a "
+             "GPU: --fp8-format hybrid. Before a production run, ..."]
+    lines += [f"[rank{r}]:[vshape] order pp_rank={r} ranks=2 microbatches=4 layout=v "
+              f"schedule=v-half actions={','.join(map(str, ran.compute_actions(r)))}"
+              for r in range(2)]
+    for i in (1, 2, 3):
+        lines += [f"[vshape] iteration={i} rank={r} pp_rank={r} start=0 end=1 step_s=1.0 "
+                  f"busy_s=0.5 wait_s={0.1 * (r + 1) * i} activation_peak={2**20 * (r + i)}"
+                  for r in range(2)]
+    log = parse_log(lines)
+    assert log.stand_in_settings == "--fp8-format hybrid"
+    assert _order(log, "v-half", 2, 4).rank_actions == tuple(
+        tuple(ran.compute_actions(r)) for r in range(2))
+    row = summarize(log, "run", warmup=1)
+    assert row.max_activation_mb == 4.0  # rank 1, iteration 3
+    assert row.wait_share == pytest.approx(0.5)  # median of 0.4 and 0.6 (rank 1's)
