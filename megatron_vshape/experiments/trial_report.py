@@ -172,13 +172,17 @@ def _status(outcome, log: RunLog) -> tuple[str, str | None]:
     return "ok", None
 
 
+def _read(path: Path) -> RunLog:
+    if not path.is_file():
+        return RunLog()
+    with path.open(errors="replace") as handle:
+        return parse_log(handle)
+
+
 def schedule_row(schedule: str, outcome, warmup: int) -> dict:
     """One schedule's row, from its log (see the module doc); 1F1B comparisons are added by
     :func:`trial_report`."""
-    log = RunLog()
-    if outcome is not None and outcome.log.is_file():
-        with outcome.log.open(errors="replace") as handle:
-            log = parse_log(handle)
+    log = RunLog() if outcome is None else _read(outcome.log)
     status, reason = _status(outcome, log)
     row = {"schedule": schedule, "status": status, "reason": reason,
            "seconds": None if outcome is None else round(outcome.seconds, 1),
@@ -242,6 +246,9 @@ def trial_report(settings, init, outcomes: list, predictions: dict | None = None
                  wall_seconds: float | None = None) -> dict:
     """``trial.json``'s content: the settings, the initial run, one row per schedule."""
     rows = [schedule_row(s, o, settings.warmup) for s, o in zip(settings.schedules, outcomes)]
+    if init is not None and not init.ok:
+        why = _status(init, _read(init.log))[1]
+        rows = [{**r, "reason": f"{r['reason']} ({why}; log {init.log})"} for r in rows]
     reference = next(r for r in rows if r["schedule"] == "1f1b")
     for row in rows:
         if row["status"] == "ok" and reference["status"] == "ok":
