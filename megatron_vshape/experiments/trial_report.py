@@ -121,7 +121,8 @@ def measured_bubble(timed: list) -> tuple[list, dict]:
     bubbles: dict[int, list] = {}
     passes: dict[int, dict] = {}
     for steps in timed:
-        makespan = max(s.number("end") for s in steps) - min(s.number("start") for s in steps)
+        makespan = max(max(s.number("end") for s in steps) -
+                       min(s.number("start") for s in steps), 1e-9)
         for pp, s in _first_per_pp_rank(steps).items():
             bubbles.setdefault(pp, []).append(1.0 - s.number("busy_s") / makespan)
             for kind in ("F", "B", "W", "BW"):
@@ -156,6 +157,16 @@ def simulated_bubble(order: Schedule, passes: dict, m: int) -> list:
     busy = [sum(e - s for s, e in zip(result.start[r], result.end[r]))
             for r in range(order.ranks)]
     return [round(1.0 - b / result.makespan, 4) for b in busy]
+
+
+def _microbatches(args: dict, log: RunLog) -> int:
+    """Microbatches per pipeline per iteration: global batch / (DP x micro batch), else what
+    the order lines say, else 1."""
+    batch, dp, mbs = (_int(args, k) for k in ("global_batch_size", "data_parallel_size",
+                                              "micro_batch_size"))
+    if batch and mbs:
+        return max(1, batch // ((dp or 1) * mbs))
+    return int(log.orders[0].fields.get("microbatches", 1)) if log.orders else 1
 
 
 def _status(outcome, log: RunLog) -> tuple[str, str | None]:
@@ -196,8 +207,7 @@ def schedule_row(schedule: str, outcome, warmup: int) -> dict:
     step_times = [max(s.number("step_s") for s in it) for it in timed]
     tokens = (_int(args, "global_batch_size") or 0) * (_int(args, "seq_length") or 0)
     p = _int(args, "pipeline_model_parallel_size") or 1
-    m = tokens and (_int(args, "global_batch_size") //
-                    ((_int(args, "data_parallel_size") or 1) * (_int(args, "micro_batch_size") or 1)))
+    m = _microbatches(args, log)
     bubble, passes = measured_bubble(timed)
     order = _order(log, schedule, p, m)
     precision, tolerance = loss_tolerance(args)
