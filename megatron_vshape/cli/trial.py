@@ -35,7 +35,8 @@ def register(sub) -> None:
                     "planner's prediction, and the settings proven only with CPU stand-ins "
                     "(checked when the losses agree). A schedule that fails is a row with its "
                     "reason; the others still run. With sbatch, one job per schedule, each "
-                    "waited for (sbatch --wait). Exit status 1 when a schedule failed or its "
+                    "waited for (sbatch --wait); inside an allocation, bash "
+                    "scripts/slurm/pretrain_gpt_vshape.sbatch runs them in turn. Exit status 1 when a schedule failed or its "
                     "losses differ from 1F1B's beyond the tolerance.")
     p.add_argument("--output", "-o", required=True, metavar="DIR",
                    help="folder for trial.json, trial.md, trial.png and each run's log")

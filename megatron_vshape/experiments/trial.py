@@ -16,8 +16,10 @@ scripts/pretrain_gpt_vshape.py <flags>``, or ``sbatch scripts/slurm/pretrain_gpt
 - ``VSHAPE_STEP_LOG=1`` in the environment: every rank logs its peaks and waiting time per
   iteration (megatron/step_log.py).
 
-Each run's output goes to ``DIR/<schedule>/train.log`` (slurm: the script's LOG_DIR/RUN_NAME.log,
-set to the same place). A run that fails -- a refused flag, out of memory, a hang past
+Each run's output goes to ``DIR/<schedule>/train.log`` (sbatch: the script's LOG_DIR/RUN_NAME.log,
+set to the same place). Through slurm, either one job per schedule (``sbatch ...``, each
+submitted with ``--wait`` in turn) or, inside one allocation (``salloc``), the script run by
+``bash`` once per schedule in turn. A run that fails -- a refused flag, out of memory, a hang past
 ``timeout`` -- becomes a row with its reason and the trial goes on. The report is
 trial_report.py's.
 """
@@ -85,6 +87,13 @@ class TrialSettings:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
 
     @property
+    def slurm_script(self) -> bool:
+        """The command runs an sbatch script (scripts/slurm/pretrain_gpt_vshape.sbatch), by
+        sbatch or, inside an allocation (salloc), by bash: the schedules then run in turn in
+        that allocation."""
+        return self.slurm or any(word.endswith(".sbatch") for word in self.command)
+
+    @property
     def slurm(self) -> bool:
         """The command submits a slurm job (one job per schedule, each waited for)."""
         return Path(self.command[0]).name == "sbatch"
@@ -138,9 +147,12 @@ def run_environment(settings: TrialSettings, name: str, log: Path) -> dict:
     env = dict(os.environ)
     env.update(settings.env)
     env[_STEP_LOG] = "1"
-    if settings.slurm:
-        env.update(LOG_DIR=str(log.parent), RUN_NAME=log.stem)
-        env.pop("CHECKPOINT_DIR", None)
+    if settings.slurm_script:
+        # sbatch: the script's log is the run's log; bash inside an allocation: the trial
+        # keeps the output itself, the script's tee goes beside it
+        env.update(LOG_DIR=str(log.parent), RUN_NAME=log.stem if settings.slurm else
+                   "slurm-script")
+        env.pop("CHECKPOINT_DIR", None)  # it would add --save and --load of its own
     return env
 
 

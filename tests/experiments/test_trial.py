@@ -39,7 +39,7 @@ def test_each_schedule_runs_the_users_flags_with_its_schedule_and_no_saves(tmp_p
         "VSHAPE_STEP_LOG"] == "1"
 
 
-def test_slurm_runs_one_waited_job_per_schedule_logging_where_the_trial_reads(tmp_path,
+def test_slurm_runs_one_waited_job_per_schedule_or_each_in_turn_in_an_allocation(tmp_path,
                                                                               monkeypatch):
     monkeypatch.setenv("CHECKPOINT_DIR", "/ckpt")
     settings = TrialSettings(("sbatch", "--nodes=2", "scripts/slurm/pretrain_gpt_vshape.sbatch",
@@ -50,6 +50,10 @@ def test_slurm_runs_one_waited_job_per_schedule_logging_where_the_trial_reads(tm
     env = run_environment(settings, "auto", tmp_path / "auto" / "train.log")
     assert env["LOG_DIR"] == str(tmp_path / "auto") and env["RUN_NAME"] == "train"
     assert "CHECKPOINT_DIR" not in env  # the sbatch script would save checkpoints
+    inside = TrialSettings(("bash", "scripts/slurm/pretrain_gpt_vshape.sbatch"), tmp_path)
+    assert schedule_command(inside, "auto", [])[:2] == ["bash", inside.command[1]]
+    env = run_environment(inside, "auto", tmp_path / "auto" / "train.log")
+    assert env["RUN_NAME"] == "slurm-script" and "CHECKPOINT_DIR" not in env
 
 
 def test_bad_settings_are_refused_naming_the_choices(tmp_path):
