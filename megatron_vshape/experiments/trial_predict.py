@@ -3,7 +3,7 @@
 Users read ``vshape plan``'s numbers before they have run anything; a trial shows how far to
 trust them on their hardware. The model, batch and layout come from Megatron-LM's argument dump
 in the 1F1B run's log (the same flags ran every schedule); each schedule is predicted at that
-layout: activation bytes per pipeline rank for the order the planner builds (on a GPU with the
+layout: activation bytes per pipeline rank for the order that ran (on a GPU with the
 passes' scratch bytes, as the allocator's peak counts them; on the CPU the bytes kept for
 backward, as the trial's tracker counts them), and tokens/s per GPU on a GPU (the default
 cluster's H100 figures: ``vshape plan``'s defaults; none on the CPU, where a GPU's speed says
@@ -15,9 +15,8 @@ from ..plan.candidates import GridPoint
 from ..plan.evaluate import Evaluator
 from ..plan.model import ModelConfig
 from ..plan.settings import ClusterConfig, TrainingConfig
-from ..schedule.registry import build_schedule
 from .logs import parse_log
-from .trial_report import loss_tolerance
+from .trial_report import loss_tolerance, ran_order
 
 __all__ = ["predictions", "model_from_arguments"]
 
@@ -66,8 +65,15 @@ def _training(arguments: dict, on_gpu: bool) -> TrainingConfig:
         dropout=dropout, dropout_mask_bytes=1 if on_gpu else 4, fp8=precision == "fp8")
 
 
-def _predict(evaluator: Evaluator, point: GridPoint, name: str, on_gpu: bool) -> dict:
-    schedule = build_schedule(name, point.pp, point.microbatches, variant="paper")
+def _ran(row: dict, point: GridPoint):
+    """The order the row's run executed (its logged order lines; megatron's own: the
+    registry's), so the memory prediction is for what ran, not for what was asked."""
+    with open(row["log"], errors="replace") as handle:
+        return ran_order(parse_log(handle), row["schedule"], point.pp, point.microbatches)
+
+
+def _predict(evaluator: Evaluator, point: GridPoint, row: dict, on_gpu: bool) -> dict:
+    name, schedule = row["schedule"], _ran(row, point)
     activations = evaluator.activation_bytes(point, schedule, workspace=on_gpu)
     prediction = evaluator.evaluate_auto(point) if name == "auto" else \
         evaluator.evaluate(point, name)
@@ -101,7 +107,7 @@ def predictions(report: dict) -> dict:
     for row in rows:
         if row["status"] == "ok":
             try:
-                row = {**row, "predicted": _predict(evaluator, point, row["schedule"], on_gpu)}
+                row = {**row, "predicted": _predict(evaluator, point, row, on_gpu)}
             except (TypeError, ValueError) as err:
                 row = {**row, "predicted": {"error": f"the planner cannot model it: {err}"}}
         out.append(row)

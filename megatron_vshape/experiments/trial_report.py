@@ -7,8 +7,10 @@ Per schedule (``trial.json``'s ``schedules`` rows)::
     tokens_per_s (per GPU), step_s {median, p90}, peak_bytes {allocated, reserved,
     activations: one value per global rank, null where the device has no such measure},
     peak_vs_1f1b (fullest rank over 1F1B's fullest, activations on the CPU, allocated on a GPU),
-    simulated_peak_vs_1f1b, losses, grad_norms, max_loss_diff, loss_ok, bubble {measured,
-    simulated: per pipeline rank}, stand_in {settings, checked}
+    simulated_peak_vs_1f1b, losses, grad_norms, max_loss_diff, max_grad_norm_diff, loss_ok,
+    bubble {measured, simulated: per pipeline rank}, stand_in {settings, checked},
+    predicted {activation_bytes per pipeline rank, peak_bytes, tokens_per_s}
+    (trial_predict.py; ``{error}`` where the planner cannot model the flags)
 
 All timing is over the iterations after the warm-up: a step's time is its slowest rank's
 train_step; tokens/s per GPU = global batch x sequence length / median step time / ranks.
@@ -38,8 +40,8 @@ from ..schedule.model.simulate import simulate
 from ..schedule.registry import build_schedule
 from .logs import RunLog, parse_log
 
-__all__ = ["LOSS_TOLERANCE", "loss_tolerance", "schedule_row", "trial_report", "render_markdown",
-           "plot_trial", "write_report"]
+__all__ = ["LOSS_TOLERANCE", "loss_tolerance", "ran_order", "schedule_row", "trial_report",
+           "render_markdown", "plot_trial", "write_report"]
 
 LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2e-3, "fp8": 1e-2}
 """Largest relative difference from 1F1B's loss at any iteration. fp32: the schedules run the
@@ -132,7 +134,7 @@ def measured_bubble(timed: list) -> tuple[list, dict]:
             {r: {k: statistics.median(v) for k, v in passes[r].items()} for r in ranks})
 
 
-def _order(log: RunLog, name: str, p: int, m: int) -> Schedule:
+def ran_order(log: RunLog, name: str, p: int, m: int) -> Schedule:
     """The order that ran: the ranks' last logged orders, else the registry's (megatron's
     own schedules log none)."""
     rows = {}
@@ -209,7 +211,7 @@ def schedule_row(schedule: str, outcome, warmup: int) -> dict:
     p = _int(args, "pipeline_model_parallel_size") or 1
     m = _microbatches(args, log)
     bubble, passes = measured_bubble(timed)
-    order = _order(log, schedule, p, m)
+    order = ran_order(log, schedule, p, m)
     precision, tolerance = loss_tolerance(args)
     row.update(
         iterations=len(steps), measured_iterations=len(timed), ranks=world,
@@ -252,8 +254,7 @@ def _compare(row: dict, reference: dict) -> None:
     row["peak_vs_1f1b"] = round(mine / theirs, 4) if mine and theirs else None
 
 
-def trial_report(settings, init, outcomes: list, predictions: dict | None = None,
-                 wall_seconds: float | None = None) -> dict:
+def trial_report(settings, init, outcomes: list, wall_seconds: float | None = None) -> dict:
     """``trial.json``'s content: the settings, the initial run, one row per schedule."""
     rows = [schedule_row(s, o, settings.warmup) for s, o in zip(settings.schedules, outcomes)]
     if init is not None and not init.ok:
@@ -263,8 +264,6 @@ def trial_report(settings, init, outcomes: list, predictions: dict | None = None
     for row in rows:
         if row["status"] == "ok" and reference["status"] == "ok":
             _compare(row, reference)
-        if predictions and row["schedule"] in predictions:
-            row["predicted"] = predictions[row["schedule"]]
     return {"command": list(settings.command), "schedules": rows,
             "iters": settings.iters, "warmup": settings.warmup,
             "initial_checkpoint": None if init is None else
