@@ -18,11 +18,11 @@ from pathlib import Path
 
 from .. import __version__
 from ..schedule import ScheduleError
-from . import demo, experiments, features, gpu_check, plan, profile, schedules
+from . import demo, experiments, features, gpu_check, plan, profile, schedules, trial
 
 __all__ = ["main", "build_parser"]
 
-_MODULES = (demo, schedules, plan, profile, experiments, gpu_check, features)
+_MODULES = (demo, schedules, plan, profile, experiments, gpu_check, features, trial)
 _OUTPUTS = ("output", "output_dir", "csv", "plot")
 """The arguments, in any subcommand, that name a file or folder it writes."""
 

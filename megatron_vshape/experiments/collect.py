@@ -62,7 +62,9 @@ class RunSummary:
     mfu: float | None
     """tflops_per_gpu / the GPU's peak."""
     max_allocated_mb: float | None
-    """Highest ``max allocated`` over every rank and report."""
+    """Highest ``max allocated`` over every rank and report, and over every rank's
+    ``[vshape] iteration`` lines where the run logged them (``VSHAPE_STEP_LOG=1``: Megatron-LM
+    reports memory from a few ranks only)."""
     max_reserved_mb: float | None
     lm_loss: float | None
     """At the last logged iteration."""
@@ -77,6 +79,13 @@ class RunSummary:
     error: str | None
     log: str
     """The log file."""
+    max_activation_mb: float | None = None
+    """From the ``[vshape] iteration`` lines of a CPU run: the highest bytes kept for backward
+    on any rank (megatron/step_log.py)."""
+    wait_share: float | None = None
+    """From the ``[vshape] iteration`` lines: the median, over the iterations after the
+    warm-up, of the largest share of an iteration any rank spent waiting outside its passes
+    (wait_s / step_s)."""
 
 
 COLUMNS = tuple(f.name for f in dataclasses.fields(RunSummary))
@@ -144,6 +153,29 @@ def _plan(log: RunLog) -> dict:
             "replans": sum(a.fields != b.fields for a, b in zip(log.plans, log.plans[1:]))}
 
 
+def _step_peak_mb(log: RunLog, key: str) -> float | None:
+    values = [s.number(key) for s in log.steps if s.number(key) is not None]
+    return max(values) / 2**20 if values else None
+
+
+def _highest(*values) -> float | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def _wait_share(log: RunLog, warmup: int) -> float | None:
+    """See RunSummary.wait_share."""
+    shares: dict[int, float] = {}
+    for step in log.steps:
+        iteration, wait, seconds = (step.integer("iteration"), step.number("wait_s"),
+                                    step.number("step_s"))
+        if iteration is None or wait is None or not seconds:
+            continue
+        shares[iteration] = max(shares.get(iteration, 0.0), wait / seconds)
+    timed = [v for i, v in shares.items() if i > warmup] or list(shares.values())
+    return round(statistics.median(timed), 4) if timed else None
+
+
 def summarize(log: RunLog, name: str, path: str = "", peak_tflops: float = H100_BF16_TFLOPS,
               warmup: int = 3) -> RunSummary:
     """The row of one run; ``warmup`` logged iterations (by number) are left out of the medians
@@ -159,11 +191,13 @@ def summarize(log: RunLog, name: str, path: str = "", peak_tflops: float = H100_
         microbatches=batch // (dp * mbs) if batch and dp and mbs else None,
         iterations=last and last.iteration,
         **_timing(log, warmup, tokens, layout["world_size"], peak_tflops),
-        max_allocated_mb=max((m.max_allocated_mb for m in log.memory
-                              if m.max_allocated_mb is not None), default=None),
-        max_reserved_mb=max((m.max_reserved_mb for m in log.memory
-                             if m.max_reserved_mb is not None), default=None),
-        lm_loss=last and last.lm_loss, **_plan(log), error=log.error, log=path)
+        max_allocated_mb=_highest(*(m.max_allocated_mb for m in log.memory),
+                                  _step_peak_mb(log, "peak_allocated")),
+        max_reserved_mb=_highest(*(m.max_reserved_mb for m in log.memory),
+                                 _step_peak_mb(log, "peak_reserved")),
+        lm_loss=last and last.lm_loss, **_plan(log), error=log.error, log=path,
+        max_activation_mb=_step_peak_mb(log, "activation_peak"),
+        wait_share=_wait_share(log, warmup))
 
 
 def find_logs(paths) -> list[Path]:
@@ -185,7 +219,7 @@ def collect(paths, peak_tflops: float = H100_BF16_TFLOPS, warmup: int = 3) -> li
     for path in find_logs(paths):
         with path.open(errors="replace") as handle:
             log = parse_log(handle)
-        if not (log.arguments or log.iterations or log.plans):
+        if not (log.arguments or log.iterations or log.plans or log.steps):
             logger.info("%s: no Megatron-LM output, skipped", path)
             continue
         rows.append(summarize(log, path.stem, str(path), peak_tflops, warmup))

@@ -25,6 +25,18 @@ The lines read, as Megatron-LM prints them (``megatron/training``):
       [vshape] schedule=v-half ranks=4 microbatches=32 peak_memory_vs_1f1b=0.625
       bubble_rate=0.09 memory_limit=none description=...
 
+* the plugin's per-iteration line of every rank, and each rank's pass order under the plugin's
+  schedules (``megatron/step_log.py``, with ``VSHAPE_STEP_LOG=1``; ``vshape trial`` sets it)::
+
+      [vshape] iteration=5 rank=2 pp_rank=2 start=... end=... step_s=0.2 busy_s=0.15
+      wait_s=0.03 ... activation_peak=... grad_norm=1.23 loss=6.12
+      [vshape] order pp_rank=0 ranks=4 microbatches=8 layout=v schedule=v-half actions=0F0,...
+
+* the plugin's start-up line naming settings proven only with CPU stand-ins
+  (``megatron/arguments.py`` stand_in_notice)::
+
+      [vshape] v-half: proven on CPU with stand-ins of GPU libraries only, not yet on a GPU: ...
+
 * the launcher's last line (``scripts/slurm/pretrain_gpt_vshape.sbatch``)::
 
       [launcher] run NAME exit status 0
@@ -38,7 +50,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-__all__ = ["IterationLog", "MemoryReport", "PlanLine", "RunLog", "parse_log", "parse_run_name"]
+__all__ = ["IterationLog", "MemoryReport", "PlanLine", "StepLine", "RunLog", "parse_log",
+           "parse_run_name"]
 
 _PREFIX = r"(?:\d+:\s|\[(?:default|rank)\d+\]:)?"
 _ARGS_BEGIN = re.compile(r"-{8,} arguments -{8,}")
@@ -48,6 +61,9 @@ _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|(.*)$")
 _MEMORY = re.compile(r"\[Rank (\d+)\] (.*?)\s*memory \(MB\)(.*)$")
 _AFTER = re.compile(r"after (\d+) iterations")
 _PLAN = re.compile(r"\[vshape\] (schedule=.*)$")
+_STEP = re.compile(r"\[vshape\] ((?:iteration|order)=?.*)$")
+_STAND_IN = re.compile(r"\[vshape\] \S+: proven on CPU with stand-ins of GPU libraries only, "
+                       r"not yet on a GPU: (.*?)\. Before")
 _EXIT = re.compile(r"\[launcher\] run \S+ exit status (\d+)")
 _OOM = re.compile(r"OutOfMemoryError|CUDA out of memory")
 _ERROR = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.*)$")
@@ -123,6 +139,22 @@ class PlanLine:
         return _number(self.fields.get(key))
 
 
+@dataclass(frozen=True)
+class StepLine:
+    """One rank's ``[vshape] iteration=...`` line (or, ``order`` set, its ``[vshape] order``
+    line): ``key=value`` fields as printed."""
+
+    fields: dict[str, str]
+    order: bool = False
+
+    def number(self, key: str) -> float | None:
+        return _number(self.fields.get(key))
+
+    def integer(self, key: str) -> int | None:
+        value = self.number(key)
+        return None if value is None else int(value)
+
+
 @dataclass
 class RunLog:
     """What one log file says about one run."""
@@ -132,6 +164,12 @@ class RunLog:
     iterations: list[IterationLog] = field(default_factory=list)
     memory: list[MemoryReport] = field(default_factory=list)
     plans: list[PlanLine] = field(default_factory=list)
+    steps: list[StepLine] = field(default_factory=list)
+    """Every rank's per-iteration lines (step_log.py), in log order."""
+    orders: list[StepLine] = field(default_factory=list)
+    """Every rank's pass-order lines (step_log.py)."""
+    stand_in_settings: str | None = None
+    """The settings the start-up line names as proven only with CPU stand-ins."""
     oom: bool = False
     """A CUDA out-of-memory error was logged."""
     traceback: bool = False
@@ -177,6 +215,13 @@ def _line(log: RunLog, line: str) -> None:
         log.memory.append(_memory(match))
     elif match := _PLAN.search(line):
         log.plans.append(_plan(match.group(1)))
+    elif match := _STEP.search(line):
+        order = match.group(1).startswith("order ")
+        text = match.group(1)[len("order "):] if order else match.group(1)
+        step = StepLine(dict(word.split("=", 1) for word in text.split() if "=" in word), order)
+        (log.orders if order else log.steps).append(step)
+    elif match := _STAND_IN.search(line):
+        log.stand_in_settings = match.group(1)
     elif match := _EXIT.search(line):
         log.exit_status = int(match.group(1))
     else:

@@ -55,6 +55,7 @@ from .install import ForwardBackwardGetter, OURS, VShapeConfig, installed_config
 from ..schedule.names import V_SCHEDULES
 from .arguments import check_arguments, stand_in_notice, vshape_config
 from .stage_layout import LAYOUT_FLAGS, v_stage_layout
+from .step_log import install_step_log
 from .touch_points import check_flags
 
 __all__ = ["patch_megatron_lm", "v_activation_ratio", "check_schedule_binding", "SUPPORTED",
@@ -100,6 +101,7 @@ def patch_megatron_lm() -> None:
     if hasattr(training, "report_theoretical_memory"):
         training.report_theoretical_memory = _v_theoretical_memory(
             training.report_theoretical_memory)
+    install_step_log()  # only with $VSHAPE_STEP_LOG (step_log.py)
 
 
 def _wrap_validate_args() -> None:

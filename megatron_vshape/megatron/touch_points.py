@@ -375,6 +375,12 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = tuple(
         ("train", "read: check_schedule_binding checks it calls get_forward_backward_func",
          {"kind": _C}),
         ("evaluate", "read: as train", {"kind": _C}),
+    ) + _rows(_TRAINING, "megatron/step_log.py", Side.TRAINING)(
+        ("train_step", "rebound with $VSHAPE_STEP_LOG: one [vshape] line per iteration per rank",
+         {"kind": _C}),
+    ) + _rows(_SCHED, "megatron/step_log.py")(
+        ("backward_step", "rebound with $VSHAPE_STEP_LOG (forward_step too, the row above): timed (megatron's schedules)",
+         {"kind": _C}),
     ) + _rows("megatron.training.initialize", "megatron/megatron_lm_patch.py", Side.TRAINING)(
         ("validate_args", "rebound: the plugin's checks and install() (core_v0.16.1's caller)",
          {"kind": _C, "probed": True, "versions": ("0.16", "0.17")}),

@@ -15,6 +15,11 @@ from here.
 Server protocol (``python -m support.megatron_lm_launch``): one JSON request per stdin line
 ({script, args, nproc, env, log_dir, timeout}), one JSON reply per stdout line
 ({returncodes, seconds, timed_out}).
+
+One run, as a command line torchrun's would stand for (``vshape trial --example tiny`` launches
+each schedule so): ``python -m support.megatron_lm_launch --nproc N SCRIPT ARGS...`` imports
+once, forks N workers, then prints every rank's log to stdout, each line prefixed
+``[rankR]:`` (torchrun's ``--tee`` style), and exits 1 if a rank failed.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import atexit
 import json
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -289,5 +295,36 @@ def serve() -> None:
         protocol.flush()
 
 
+def run_once(argv: list) -> int:
+    """``--nproc N SCRIPT ARGS...``: one run (module doc); its exit status."""
+    import importlib
+    import tempfile
+
+    from support.megatron_lm_cpu import install_megatron_lm_cpu_patches
+
+    if len(argv) < 3 or argv[0] != "--nproc":
+        raise SystemExit("usage: python -m support.megatron_lm_launch --nproc N SCRIPT ARGS...")
+    nproc, script, args = int(argv[1]), argv[2], argv[3:]
+    sys.path[:0] = [*_installed_core_first(), str(MEGATRON_LM)]  # as megatron_lm_env puts them
+    install_megatron_lm_cpu_patches()
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    # not a TemporaryDirectory: its clean-up is an exit function, which each worker runs
+    log_dir = tempfile.mkdtemp(prefix="vshape-launch-")
+    try:
+        reply = _serve_one({"script": script, "args": args, "nproc": nproc, "env": {},
+                            "log_dir": log_dir, "timeout": 1e9})
+        for rank in range(nproc):
+            with open(os.path.join(log_dir, f"rank{rank}.log"), errors="replace") as log:
+                for line in log:
+                    sys.stdout.write(f"[rank{rank}]:{line}")
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    sys.stdout.flush()
+    return 0 if all(code == 0 for code in reply["returncodes"]) else 1
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        sys.exit(run_once(sys.argv[1:]))
     serve()
