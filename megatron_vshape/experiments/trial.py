@@ -5,7 +5,9 @@ container and GPUs. A trial takes the command the team launches (``torchrun ...
 scripts/pretrain_gpt_vshape.py <flags>``, or ``sbatch scripts/slurm/pretrain_gpt_vshape.sbatch
 <flags>``) and runs it once per schedule with only these changes to the flags:
 
-- ``--pipeline-schedule S`` (the command's own is dropped);
+- ``--pipeline-schedule S`` (the command's own is dropped), and, for every schedule but
+  ``auto``, no ``--pipeline-memory-limit`` (auto's limit, which the fixed schedules refuse:
+  their memory is their name's);
 - ``--train-iters K+N`` (warm-up K, measured N), and no checkpoint saves (``--save``,
   ``--save-interval`` dropped; the slurm script's CHECKPOINT_DIR unset);
 - one initial checkpoint for all: a one-iteration 1f1b run of the same command saves it and
@@ -47,6 +49,9 @@ plugin's zero-bubble 1F1B, V-Half, V-ZB and ``auto``."""
 DROPPED_FLAGS = {"--pipeline-schedule": 1, "--train-iters": 1, "--save": 1,
                  "--save-interval": 1}
 """The command's flags a trial replaces (name: how many values follow)."""
+AUTO_ONLY_FLAGS = {"--pipeline-memory-limit": 1}
+"""A command's flags that only ``auto`` accepts (arguments.py refuses them for another
+schedule): a trial of an ``auto`` recipe runs the other schedules without them."""
 _STEP_LOG = "VSHAPE_STEP_LOG"  # megatron/step_log.py's STEP_LOG (that module imports torch)
 
 
@@ -134,7 +139,9 @@ def schedule_command(settings: TrialSettings, schedule: str, start: list[str],
     """The command of one schedule's run: the user's, its schedule, iteration count and saves
     replaced (:data:`DROPPED_FLAGS`), ``start`` (the initial checkpoint's flags) added; under
     sbatch, ``--wait`` so the trial sees the job end."""
-    command = _without(list(settings.command), DROPPED_FLAGS)
+    command = _without(list(settings.command),
+                       DROPPED_FLAGS if schedule == "auto" else {**DROPPED_FLAGS,
+                                                                 **AUTO_ONLY_FLAGS})
     if settings.slurm and "--wait" not in command and "-W" not in command:
         command.insert(1, "--wait")
     return command + ["--pipeline-schedule", schedule, "--train-iters",

@@ -39,6 +39,16 @@ def test_each_schedule_runs_the_users_flags_with_its_schedule_and_no_saves(tmp_p
         "VSHAPE_STEP_LOG"] == "1"
 
 
+def test_an_auto_recipes_memory_limit_is_kept_for_auto_only(tmp_path):
+    """--pipeline-memory-limit is auto's; the fixed schedules refuse it (arguments.py)."""
+    settings = TrialSettings(("torchrun", "pretrain_gpt_vshape.py", "--pipeline-schedule",
+                              "auto", "--pipeline-memory-limit=0.5"), tmp_path)
+    assert "--pipeline-memory-limit=0.5" in schedule_command(settings, "auto", [])
+    for schedule in ("1f1b", "zb-1p", "v-half"):
+        assert not any(w.startswith("--pipeline-memory-limit")
+                       for w in schedule_command(settings, schedule, [])), schedule
+
+
 def test_slurm_runs_one_waited_job_per_schedule_or_each_in_turn_in_an_allocation(tmp_path,
                                                                               monkeypatch):
     monkeypatch.setenv("CHECKPOINT_DIR", "/ckpt")
