@@ -29,16 +29,14 @@ def layout_of(args) -> str:
     """The chunk layout a Megatron-LM argument namespace runs (or a checkpoint was saved with):
     'v', 'loop' or 'single'. Checkpoints without --pipeline-schedule come from Megatron-LM's own
     scripts: interleaved with virtual stages, else 1F1B."""
-    from ..schedule.names import V_SCHEDULES
+    from ..schedule.model.placement import Layout
+    from ..schedule.names import megatrons_own, schedule_info
 
     schedule = getattr(args, "pipeline_schedule", None)
-    if schedule in V_SCHEDULES:
-        return "v"
-    if schedule == "interleaved-1f1b" or (schedule is None and
-                                          (getattr(args, "virtual_pipeline_model_parallel_size",
-                                                   None) or 1) > 1):
-        return "loop"
-    return "single"
+    if schedule is None:
+        virtual = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        schedule = megatrons_own(Layout.LOOP if virtual > 1 else Layout.SINGLE)
+    return schedule_info(schedule).layout.value
 
 
 def check_optimizer_layout(ckpt_args, sharding_type: str | None, args, where: str) -> None:
@@ -52,8 +50,10 @@ def check_optimizer_layout(ckpt_args, sharding_type: str | None, args, where: st
     saved, running = layout_of(ckpt_args), layout_of(args)
     if saved == running:
         return
-    saved_by = getattr(ckpt_args, "pipeline_schedule", None) or \
-        {"loop": "interleaved-1f1b", "single": "1f1b"}[saved]
+    from ..schedule.model.placement import Layout
+    from ..schedule.names import megatrons_own
+
+    saved_by = getattr(ckpt_args, "pipeline_schedule", None) or megatrons_own(Layout(saved))
     raise ValueError(
         f"checkpoint {where} holds distributed-optimizer state in megatron's {sharding_type} "
         f"format, laid out by the gradient buckets of --pipeline-schedule {saved_by} ({saved} "

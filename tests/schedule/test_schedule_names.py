@@ -47,7 +47,7 @@ def test_every_layer_lists_the_same_names():
 
 
 @pytest.mark.parametrize("settings,needle", [
-    (dict(schedule="v-third"), "unknown pipeline schedule 'v-third'; valid choices: 1f1b"),
+    (dict(schedule="v-third"), "unknown schedule 'v-third'; valid choices: 1f1b"),
     (dict(schedule="v-half", variant="best"), "unknown schedule variant 'best'"),
     (dict(schedule="v-half", timeout=0), "timeout must be > 0"),
     (dict(schedule="v-half", replan_after=-1), "replan_after must be >= 0"),

@@ -92,6 +92,7 @@ from ..model.placement import Layout, Placement
 from ..model.problem import Problem
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
+from ..names import AUTO
 from .constructions import (InfeasibleMemoryError, below_v_half, continuous_blocks, family_blocks,
                             fixed_blocks, none_fits, tries_wave, wave)
 from .freeing_at_b import freeing_nothing_at_b, refined_under
@@ -348,7 +349,7 @@ def search_steps(request: SearchRequest) -> SearchResult:
             step.run(pool)
     winner = pool.fastest()
     limit = problem.limit
-    schedule = Schedule("auto", problem.placement, problem.microbatches, winner.orders,
+    schedule = Schedule(AUTO, problem.placement, problem.microbatches, winner.orders,
                         memory_bound=limit, description=_description(winner.provenance, limit))
     return SearchResult(schedule, simulate(schedule, problem.costs, problem.memory),
                         time.perf_counter() - started, len(pool.candidates), winner.provenance)

@@ -38,7 +38,8 @@ from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.problem import Problem
 from ..model.schedule import Schedule
-from ..names import MEMORY_LEVELS
+from ..model.placement import Layout
+from ..names import MEMORY_LEVELS, schedule_info
 from ..model.simulate import makespan_of, peak_memory
 from .adaptive import AlsoTry, clear_cache as clear_search_cache, search
 from .freeing_at_b import freeing_nothing_at_b
@@ -57,8 +58,7 @@ _EPS = 1e-9
 
 def memory_level(name: str, ranks: int) -> float:
     """The name's memory bound in units (module doc)."""
-    if name not in MEMORY_LEVELS:
-        raise ScheduleError(f"{name!r} is not a memory level; those are {', '.join(MEMORY_LEVELS)}")
+    schedule_info(name, "memory level", MEMORY_LEVELS)
     return float(FAMILIES[name].memory_bound(ranks))
 
 
@@ -86,6 +86,11 @@ class Level:
         """The name's memory level in units (``memory_level``)."""
         return memory_level(self.name, self.ranks)
 
+    @property
+    def one_chunk(self) -> bool:
+        """Whether the name places one chunk per rank (zb-1p): its own orders, no V search."""
+        return schedule_info(self.name).layout is Layout.SINGLE
+
     @functools.cached_property
     def paper(self) -> Schedule:
         """The paper's order for the name."""
@@ -104,7 +109,7 @@ def _searched(level: Level, found: list) -> list:
     """zb-1p: the fastest of its one-chunk orders (``_fastest_zb``); a V name: the search at
     its level (adaptive.py)."""
     bound, paper = level.bound, level.paper
-    if level.name == "zb-1p":
+    if level.one_chunk:
         orders, how = _fastest_zb(paper, level.costs, level.memory, bound)
     else:
         result = search(level.ranks, level.microbatches, level.costs, bound, level.memory)
@@ -147,7 +152,7 @@ def _fastest_cached(level: Level) -> tuple[Schedule, tuple[str, ...]]:
         makespan = makespan_of(other[0], level.costs)
         if makespan < best_time - _EPS:
             best, best_time = other, makespan
-    if level.name == "zb-1p" or best is found[0]:  # the search re-scheduled its cool-down
+    if level.one_chunk or best is found[0]:  # the search re-scheduled its cool-down
         return best
     schedule = best[0]
     problem = Problem(schedule.placement, schedule.microbatches, level.costs, level.memory,

@@ -18,6 +18,7 @@ from ..model.actions import ScheduleError
 from ..model.problem import Problem
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of, peak_memory
+from ..names import AUTO
 from .local import Improved
 from .settings import Settings
 
@@ -103,7 +104,7 @@ class Pool:
         """The peak of ``orders`` in units, once per distinct orders (``peaks``)."""
         if orders not in self.peaks:
             problem = self.problem
-            schedule = Schedule("auto", problem.placement, problem.microbatches, orders)
+            schedule = Schedule(AUTO, problem.placement, problem.microbatches, orders)
             self.peaks[orders] = max(peak_memory(schedule, problem.memory))
         return self.peaks[orders]
 
@@ -114,7 +115,7 @@ class Pool:
             problem = self.problem
             try:
                 self.makespans[orders] = makespan_of(
-                    Schedule("auto", problem.placement, problem.microbatches, orders),
+                    Schedule(AUTO, problem.placement, problem.microbatches, orders),
                     problem.costs)
             except ScheduleError:
                 self.makespans[orders] = None
