@@ -372,13 +372,14 @@ def _layout_pictures(settings, layouts, rows, out: Path) -> list[Path]:
 
 def _picture(settings, name, run, stem: Path, note: str) -> Path:
     from ..schedule import build_schedule, parse_action, simulate
+    from ..schedule.model.provenance import Provenance, step
     from ..schedule.model.schedule import Schedule
 
     template = run.last_schedule or build_schedule(name, settings.ranks, settings.microbatches)
     if run.timeline and all(run.timeline):
         actions = tuple(tuple(parse_action(a) for a, _, _ in rank) for rank in run.timeline)
         schedule = Schedule(name, template.placement, settings.microbatches, actions,
-                            template.memory_bound, "measured")
+                            template.memory_bound, Provenance((step("measured"),)))
         start = [[s for _, s, _ in rank] for rank in run.timeline]
         end = [[e for _, _, e in rank] for rank in run.timeline]
         what = "measured"

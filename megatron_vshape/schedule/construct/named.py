@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.placement import Layout, Placement
+from ..model.provenance import Provenance, step
 from ..names import INTERLEAVED_1F1B
 from ..model.schedule import Schedule
 from .blocks import ONE_F_ONE_B, V_HALF, V_MIN, V_ZB, ZB_1P, BlockFamily
@@ -29,7 +30,8 @@ def paper_schedule(name: str, ranks: int, microbatches: int) -> Schedule:
         microbatches=microbatches,
         rank_actions=orders,
         memory_bound=block.memory_bound,
-        description=f"{name} block, interval {block.interval}, bound {block.memory_bound:g} units",
+        provenance=Provenance((step("paper block", family=name, interval=block.interval,
+                                    bound=block.memory_bound),)),
     )
 
 
@@ -66,5 +68,5 @@ def interleaved_1f1b(ranks: int, microbatches: int) -> Schedule:
         microbatches=m,
         rank_actions=tuple(orders),
         memory_bound=(3 * p - 1) / 2,
-        description="megatron interleaved 1F1B, 2 chunks, loop placement",
+        provenance=Provenance((step("interleaved 1F1B"),)),
     )
