@@ -244,7 +244,8 @@ def _paper(args) -> int:
     out.write_text(render(results, command, render_calibrated(calibrations)))
     for case in results:
         gains = [f"x{g:.3f} over the best {name}" for name, g in
-                 (("1F1B", case.gain_over(REFERENCE)), ("1F1B-R", case.gain_over(REFERENCE_RECOMPUTED)))
+                 (("1F1B", case.gain_over(REFERENCE)),
+                  ("1F1B-R", case.gain_over(REFERENCE_RECOMPUTED)))
                  if g is not None]
         print(f"{case.grid.model.name} seq {case.seq_length}: best V "
               + (", ".join(gains) or "- (V or both baselines fit nowhere)"))

@@ -199,7 +199,8 @@ def _grid_table(cases: list[CasePrediction]) -> list[str]:
         cells = [_cell(best.get(f)) for f in FAMILIES]
         lines.append(f"| {c.grid.model.name}, {c.grid.gpus.total} | {c.seq_length} | "
                      + " | ".join(cells)
-                     + f" | {_gain(c.gain_over(REFERENCE))} | {_gain(c.gain_over(REFERENCE_RECOMPUTED))} |")
+                     + f" | {_gain(c.gain_over(REFERENCE))} "
+                     f"| {_gain(c.gain_over(REFERENCE_RECOMPUTED))} |")
     return lines
 
 
@@ -227,7 +228,8 @@ def _model_table(cases: list[CasePrediction]) -> list[str]:
         o = c.one_mfu
         lines.append(f"| {c.grid.model.name}, {c.grid.gpus.total} | {c.seq_length} | "
                      f"{_gain(c.gain_over(REFERENCE))} | {_gain(o.gain_over(REFERENCE))} | "
-                     f"{_gain(c.gain_over(REFERENCE_RECOMPUTED))} | {_gain(o.gain_over(REFERENCE_RECOMPUTED))} | "
+                     f"{_gain(c.gain_over(REFERENCE_RECOMPUTED))} | "
+                     f"{_gain(o.gain_over(REFERENCE_RECOMPUTED))} | "
                      f"{_changes(c)} |")
     return lines
 

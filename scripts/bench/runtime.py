@@ -26,7 +26,8 @@ import torch
 from megatron_vshape.runtime.launch import run_gloo
 from megatron_vshape.runtime.toy import MODEL_KINDS, ToyModel, split_memory
 from megatron_vshape.runtime.toy_run import ToyRun, summarize, toy_worker
-from megatron_vshape.schedule import SCHEDULES, Costs, MemoryModel, ScheduleError, build_schedule, simulate
+from megatron_vshape.schedule import (SCHEDULES, Costs, MemoryModel, ScheduleError, build_schedule,
+                                      simulate)
 from megatron_vshape.schedule.names import REFERENCE, schedule_info
 
 
