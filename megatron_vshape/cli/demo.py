@@ -17,6 +17,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..schedule.names import AUTO, PLUGIN_SCHEDULES, REFERENCE, V_HALF, V_MIN, V_ZB, schedule_info
 from .plan import model_help
 from .ui import subcommand
 
@@ -47,7 +48,7 @@ def register(sub) -> None:
     demo.add_argument("--model", metavar="NAME|FILE",
                       help=f"{model_help()} (default: the embedded tiny GPT, the bundled tiny's "
                            "shape)")
-    demo.add_argument("--schedules", default="1f1b,zb-1p,v-min,v-half,v-zb,auto",
+    demo.add_argument("--schedules", default=",".join((REFERENCE,) + PLUGIN_SCHEDULES),
                       help="comma-separated (default: all; 1f1b is always run as the reference)")
     demo.add_argument("--memory-limit", default="0.75",
                       help="auto's limit: fraction of 1F1B (default 0.75) or bytes (2MiB)")
@@ -96,9 +97,8 @@ def demo_settings(args):
     from ..schedule.model.limits import MemoryLimit
 
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
-    bad = [n for n in names if n not in DEMO_SCHEDULES]
-    if bad:
-        raise ValueError(f"--schedules: {bad} unknown; valid choices: {', '.join(DEMO_SCHEDULES)}")
+    for name in names:
+        schedule_info(name, "--schedules", DEMO_SCHEDULES)
     MemoryLimit.parse(args.memory_limit, "--memory-limit")  # fail before any work
     kwargs = dict(ranks=args.ranks, microbatches=args.microbatches, steps=args.steps,
                   memory_limit=args.memory_limit,
@@ -106,7 +106,7 @@ def demo_settings(args):
                   head_layers=args.head_layers)
     if args.model:
         kwargs["model"] = _tiny_from_config(args.model)
-    return DemoSettings(**kwargs), ["1f1b"] + [n for n in names if n != "1f1b"]
+    return DemoSettings(**kwargs), [REFERENCE] + [n for n in names if n != REFERENCE]
 
 
 def _tiny_from_config(path):
@@ -137,7 +137,7 @@ def _demo(args) -> int:
             result = run_schedules(settings, names, on_done=done)
     runs = result.schedules
     rows = _rows(settings, runs)
-    by_layout = layout_rows(settings, result.layouts, runs["1f1b"])
+    by_layout = layout_rows(settings, result.layouts, runs[REFERENCE])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     pictures = _pictures(settings, runs, rows, out) + _layout_pictures(settings, result.layouts,
@@ -158,7 +158,7 @@ def _demo(args) -> int:
 def _rows(settings, runs) -> list[dict]:
     from ..schedule import build_schedule, simulate
 
-    ref = runs["1f1b"]
+    ref = runs[REFERENCE]
     base = max(ref.peak_bytes)
     costs = _measured_costs(settings, runs)
     rows = []
@@ -271,7 +271,7 @@ def _loads(row) -> str:
 
 def _measured_costs(settings, runs):
     """Per-rank F, B, W measured under the V (auto re-planned from these)."""
-    for name in ("auto", "v-half", "v-min", "v-zb"):
+    for name in (AUTO, V_HALF, V_MIN, V_ZB):
         if name in runs and runs[name].costs is not None:
             return runs[name].costs
     return None
@@ -306,7 +306,7 @@ def _print_table(settings, rows, runs) -> None:
                 f"{r['simulated_peak_vs_1f1b']:>6.2f} |{1000 * r['step_time_s']:>9.1f}"
                 f"{r['simulated_bubble']:>12.3f}")
         if r["emulated_step_time_s"] is not None:
-            mark = "*" if r["schedule"] == "1f1b" else " "
+            mark = "*" if r["schedule"] == REFERENCE else " "
             line += (f" |{1000 * r['emulated_step_time_s']:>8.1f}{mark}"
                      f"{1000 * r['simulated_makespan_s']:>9.1f}{r['emulated_vs_simulated']:>7.3f}")
         print(line)
@@ -315,7 +315,7 @@ def _print_table(settings, rows, runs) -> None:
 
 def _print_footer(settings, runs, emulated: bool) -> None:
     """What each column is; why the CPU step times are not device time."""
-    auto = runs.get("auto")
+    auto = runs.get(AUTO)
     if auto is not None and auto.plans:
         print("auto ran: " + "; then ".join(f"{d} (from iteration {i})" for i, d in auto.plans))
     print(f"|dloss|, |dgrad|: largest difference from 1F1B over all steps"
@@ -372,13 +372,14 @@ def _layout_pictures(settings, layouts, rows, out: Path) -> list[Path]:
 
 def _picture(settings, name, run, stem: Path, note: str) -> Path:
     from ..schedule import build_schedule, parse_action, simulate
+    from ..schedule.model.provenance import Provenance, step
     from ..schedule.model.schedule import Schedule
 
     template = run.last_schedule or build_schedule(name, settings.ranks, settings.microbatches)
     if run.timeline and all(run.timeline):
         actions = tuple(tuple(parse_action(a) for a, _, _ in rank) for rank in run.timeline)
         schedule = Schedule(name, template.placement, settings.microbatches, actions,
-                            template.memory_bound, "measured")
+                            template.memory_bound, Provenance((step("measured"),)))
         start = [[s for _, s, _ in rank] for rank in run.timeline]
         end = [[e for _, _, e in rank] for rank in run.timeline]
         what = "measured"

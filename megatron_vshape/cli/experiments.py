@@ -16,6 +16,8 @@ from ..experiments.commands import (command_line, write_array_job, write_command
                                     write_manifest)
 from ..experiments.grid import PLAN_RULE, Expansion, expand, prune
 from ..experiments.grid_file import load_grid
+from ..plan.recompute import REFERENCE_RECOMPUTED
+from ..schedule.names import REFERENCE
 from .ui import add_progress_argument, counting, progress, subcommand, working
 
 __all__ = ["register"]
@@ -242,7 +244,8 @@ def _paper(args) -> int:
     out.write_text(render(results, command, render_calibrated(calibrations)))
     for case in results:
         gains = [f"x{g:.3f} over the best {name}" for name, g in
-                 (("1F1B", case.gain_over("1f1b")), ("1F1B-R", case.gain_over("1f1b-r")))
+                 (("1F1B", case.gain_over(REFERENCE)),
+                  ("1F1B-R", case.gain_over(REFERENCE_RECOMPUTED)))
                  if g is not None]
         print(f"{case.grid.model.name} seq {case.seq_length}: best V "
               + (", ".join(gains) or "- (V or both baselines fit nowhere)"))

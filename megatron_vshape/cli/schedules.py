@@ -15,7 +15,7 @@ from ..schedule import (SCHEDULES, VARIANTS, Schedule, ScheduleError, SimResult,
 from ..schedule.model.costs import Costs
 from ..schedule.model.placement import Placement
 from ..schedule.model.stage_costs import STAGE_COSTS_FORM, parse_stage_costs
-from ..schedule.names import MEGATRON_OWN_SCHEDULES, MEMORY_LEVELS, schedule_info
+from ..schedule.names import AUTO, MEGATRON_OWN_SCHEDULES, MEMORY_LEVELS, REFERENCE, schedule_info
 from ..schedule.search.bounds import makespan_floor
 from ..schedule.model.limits import MemoryLimit, parse_bytes
 from ..schedule.search import frontier, search
@@ -191,24 +191,11 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
                              "block, offsets and passes applied, in the paper's words)")
 
 
-_WHAT = {
-    "1f1b": "1F1B, megatron's default order: one forward, one backward",
-    "interleaved-1f1b": "megatron's interleaved 1F1B",
-    "zb-1p": "zero bubble (ZB-1P): the backward split into input and weight gradient, "
-             "weight gradients fill the waits",
-    "v-min": "V-shape at V-Min's memory (about 1/3 of 1F1B's)",
-    "v-half": "V-shape at V-Half's memory (about 1/2 of 1F1B's)",
-    "v-zb": "V-shape zero bubble (V-ZB) at 1F1B's memory",
-    "auto": "the fastest V-shape order found under the memory limit",
-}
-"""What each schedule is, in a user's words (``describe``)."""
-
-
 def describe(schedule: Schedule, result: SimResult | None = None, variant: str = "fastest") -> str:
     """A schedule in a user's words: what it is, its model chunks per rank and, with its
     simulation, its memory relative to 1F1B's and its bubble. ``schedule.description`` (how it
     was built) is the technical detail, shown under ``--verbose``."""
-    what = _WHAT.get(schedule.name, schedule.name)
+    what = schedule_info(schedule.name).what
     if variant == "paper" and schedule.name in MEMORY_LEVELS:
         what += ", the paper's order"
     chunks = schedule.placement.chunks
@@ -366,12 +353,12 @@ def _plot_compare(args, records: list[dict]) -> None:
 
 
 def _search(args) -> int:
-    costs = schedule_costs("auto", args)
+    costs = schedule_costs(AUTO, args)
     _warn_few_microbatches(args)
     with working(args, "searching"):
         found = search(args.ranks, args.microbatches, costs, memory_limit(args),
                        parse_memory_model(args.memory_model))
-        _, _, record = _report("auto", args)
+        _, _, record = _report(AUTO, args)
     record["search_seconds"] = round(found.seconds, 4)
     record["candidates"] = found.candidates
     limit = found.schedule.memory_bound  # the limit searched under, in units
@@ -382,7 +369,7 @@ def _search(args) -> int:
 
 
 def _frontier(args) -> int:
-    costs = schedule_costs("auto", args)
+    costs = schedule_costs(AUTO, args)
     _warn_few_microbatches(args)
     with working(args, "searching the frontier"):
         points = frontier(args.ranks, args.microbatches, costs,
@@ -415,7 +402,7 @@ def _plot_frontier(args, rows) -> None:
     from ..schedule.io.render_image import plot_frontier
 
     fixed = []
-    for name in _matching(("1f1b",) + MEMORY_LEVELS, args):
+    for name in _matching((REFERENCE,) + MEMORY_LEVELS, args):
         costs = schedule_costs(name, args)
         memory = parse_memory_model(args.memory_model)
         schedule = build_schedule(name, args.ranks, args.microbatches, costs, memory=memory,

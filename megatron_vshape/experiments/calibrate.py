@@ -20,6 +20,7 @@ from ..configs import CONFIG_DIR
 from ..plan.cost import analytic_times
 from ..plan.profile_file import MeasuredProfile, load_profile
 from ..plan.settings import ClusterConfig, TrainingConfig, gpu_limits
+from ..schedule.names import REFERENCE
 from .predict import CasePrediction, predict_case
 
 __all__ = ["PROFILE_DIR", "Calibration", "profile_name", "find_profile", "calibrate",
@@ -120,7 +121,7 @@ def _row(c: Calibration) -> str:
         return f"{best.tokens_per_second_per_gpu:.0f}" if best else "-"
 
     def gain(case):
-        value = case.gain_over("1f1b")
+        value = case.gain_over(REFERENCE)
         return f"x{value:.3f}" if value is not None else "-"
 
     a, m = c.analytic, c.measured
@@ -128,5 +129,5 @@ def _row(c: Calibration) -> str:
     ratios = ", ".join(f"TP{tp} {r:.2f} \\| {c.mfu_ratio[tp]:.2f}"
                        for tp, r in c.time_ratio.items())
     return (f"| {a.grid.model.name}, {a.grid.gpus.total} | {a.seq_length} | {machine} | {ratios} "
-            f"| {tokens(a, '1f1b')} \\| {tokens(m, '1f1b')} | {tokens(a, 'v')} \\| "
+            f"| {tokens(a, REFERENCE)} \\| {tokens(m, REFERENCE)} | {tokens(a, 'v')} \\| "
             f"{tokens(m, 'v')} | {gain(a)} \\| {gain(m)} |")

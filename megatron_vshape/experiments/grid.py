@@ -25,10 +25,11 @@ from ..plan.candidates import GridPoint
 from ..plan.evaluate import Evaluator
 from ..plan.model import ModelConfig
 from ..plan.settings import ClusterConfig, TrainingConfig
-from ..schedule import SCHEDULES, Layout, build_schedule
+from ..schedule import SCHEDULES, Layout
+from ..schedule.names import AUTO, REFERENCE, V_MIN, schedule_info
 
 __all__ = ["ScheduleChoice", "Gpus", "SlurmOptions", "GridConfig", "LayerSplit", "Point", "Skip",
-           "Expansion", "RULES", "PLAN_RULE", "expand", "prune", "schedule_layout", "layer_split",
+           "Expansion", "RULES", "PLAN_RULE", "expand", "prune", "layer_split",
            "model_state_bytes_lower_bound"]
 
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -54,9 +55,7 @@ class ScheduleChoice:
     """Flags for this choice only, e.g. full activation recomputation for the paper's 1F1B-R."""
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedules: unknown schedule {self.schedule!r}; valid choices: "
-                             f"{', '.join(SCHEDULES)}")
+        schedule_info(self.schedule, "schedules")
         if self.label is not None and not _LABEL.fullmatch(self.label):
             raise ValueError(f"schedules: label {self.label!r} must be letters, digits, '.', '_' "
                              f"or '-' (it becomes part of run and file names)")
@@ -288,12 +287,6 @@ class Expansion:
         return groups
 
 
-def schedule_layout(name: str) -> Layout:
-    """Where a schedule puts the stages: read off the schedule itself (p = 2), so the V is
-    known in one place (the registry) and not listed again here."""
-    return build_schedule(name, 2, 2).placement.layout
-
-
 def layer_split(model: ModelConfig, pp: int, layout: Layout) -> LayerSplit | None:
     """How ``model``'s layers go on ``pp`` ranks under ``layout``; None when they cannot."""
     layers = model.num_layers
@@ -356,8 +349,8 @@ def _rule_batch(c: _Candidate, grid: GridConfig) -> str | None:
 
 
 def _rule_pipeline(c: _Candidate, grid: GridConfig) -> str | None:
-    if c.pp == 1 and c.choice.schedule != "1f1b":
-        return f"PP=1 has no pipeline: only 1f1b runs there, not {c.choice.schedule}"
+    if c.pp == 1 and c.choice.schedule != REFERENCE:
+        return f"PP=1 has no pipeline: only {REFERENCE} runs there, not {c.choice.schedule}"
     return None
 
 
@@ -414,7 +407,7 @@ def _first_failure(candidate: _Candidate, grid: GridConfig) -> tuple[str, str] |
 
 
 def _candidates(grid: GridConfig):
-    layouts = {c.schedule: schedule_layout(c.schedule) for c in grid.schedules}
+    layouts = {c.schedule: schedule_info(c.schedule).layout for c in grid.schedules}
     for seq in grid.seq_lengths:
         for tp in grid.tp:
             for pp in grid.pp:
@@ -504,8 +497,8 @@ def _memory_failure(evaluator: Evaluator, point: Point, recompute: str) -> str |
     """The planner's reason ``point`` cannot fit, or None. ``auto`` fits where V-Min does (the
     search reaches V-Min's memory), else where the planner's own search finds a schedule."""
     at = GridPoint(point.dp, point.tp, point.pp, point.mbs, point.microbatches)
-    if point.choice.schedule == "auto" and point.pp > 1:
-        if evaluator.evaluate(at, "v-min").feasible:
+    if point.choice.schedule == AUTO and point.pp > 1:
+        if evaluator.evaluate(at, V_MIN).feasible:
             return None
         prediction = evaluator.evaluate_auto(at)
     else:

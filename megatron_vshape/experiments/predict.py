@@ -25,13 +25,14 @@ from ..plan.evaluate import Prediction
 from ..plan.planner import PlanResult, plan
 from ..plan.settings import GIB, ClusterConfig, TrainingConfig
 from ..plan.table import best_per_schedule
-from ..schedule.names import MEMORY_LEVELS, SCHEDULES, V_SCHEDULES
+from ..plan.recompute import REFERENCE_RECOMPUTED
+from ..schedule.names import MEMORY_LEVELS, REFERENCE, SCHEDULES, V_SCHEDULES
 from .grid import GridConfig
 
 __all__ = ["FAMILIES", "V_FAMILIES", "PAPER_GRID_GAIN", "PAPER_PURE_PP_GAINS", "CasePrediction",
            "predict_case", "render"]
 
-FAMILIES = ("1f1b", "1f1b-r") + SCHEDULES[1:]
+FAMILIES = (REFERENCE, REFERENCE_RECOMPUTED) + tuple(n for n in SCHEDULES if n != REFERENCE)
 """Plan row labels compared, as the paper's tables name them."""
 V_FAMILIES = V_SCHEDULES
 _FIXED_V = tuple(name for name in V_SCHEDULES if name in MEMORY_LEVELS)
@@ -93,8 +94,8 @@ class CasePrediction:
             found = rows[pp]
             vs = [found[f] for f in _FIXED_V if f in found]
             best_v = max(vs, key=lambda r: r.tokens_per_second_per_gpu, default=None)
-            out.append(PurePipeline(pp, self.grid.gpus.total // pp, best_v, found.get("1f1b"),
-                                    found.get("1f1b-r")))
+            out.append(PurePipeline(pp, self.grid.gpus.total // pp, best_v, found.get(REFERENCE),
+                                    found.get(REFERENCE_RECOMPUTED)))
         return out
 
 
@@ -155,12 +156,12 @@ def _gain(value: float | None) -> str:
 
 def _grid_verdict(case: CasePrediction) -> str:
     """Whether the best V's gain over the best 1F1B matches the paper's 16%, and why not."""
-    v, one = case.best_v(), case.best.get("1f1b")
+    v, one = case.best_v(), case.best.get(REFERENCE)
     if v is None:
         return "no V schedule fits"
     if one is None:
         return _against_recomputation(case, v)
-    gain = case.gain_over("1f1b")
+    gain = case.gain_over(REFERENCE)
     if abs(gain - PAPER_GRID_GAIN) <= _AGREE:
         return f"agrees (x{gain:.3f} vs the paper's x{PAPER_GRID_GAIN})"
     same = 1 / (1 - one.bubble_rate)
@@ -176,10 +177,10 @@ def _grid_verdict(case: CasePrediction) -> str:
 
 def _against_recomputation(case: CasePrediction, v: Prediction) -> str:
     """1F1B fits nowhere: the paper's baseline is 1F1B-R."""
-    base = case.best.get("1f1b-r")
+    base = case.best.get(REFERENCE_RECOMPUTED)
     if base is None:
         return f"neither 1F1B nor 1F1B-R fits; the best V: {_cell(v)}"
-    gain = case.gain_over("1f1b-r")
+    gain = case.gain_over(REFERENCE_RECOMPUTED)
     text = (f"1F1B fits nowhere; the best V ({v.layout.label}, {_config(v)}, bubble "
             f"{v.bubble_rate:.3f}) against 1F1B-R ({_config(base)}, bubble "
             f"{base.bubble_rate:.3f}): x{gain:.3f}")
@@ -198,7 +199,8 @@ def _grid_table(cases: list[CasePrediction]) -> list[str]:
         cells = [_cell(best.get(f)) for f in FAMILIES]
         lines.append(f"| {c.grid.model.name}, {c.grid.gpus.total} | {c.seq_length} | "
                      + " | ".join(cells)
-                     + f" | {_gain(c.gain_over('1f1b'))} | {_gain(c.gain_over('1f1b-r'))} |")
+                     + f" | {_gain(c.gain_over(REFERENCE))} "
+                     f"| {_gain(c.gain_over(REFERENCE_RECOMPUTED))} |")
     return lines
 
 
@@ -207,7 +209,7 @@ def _changes(case: CasePrediction) -> str:
     other = case.one_mfu
     moved = []
     for name, mine, theirs in (("best V", case.best_v(), other.best_v()),
-                               ("1F1B", case.best.get("1f1b"), other.best.get("1f1b"))):
+                               ("1F1B", case.best.get(REFERENCE), other.best.get(REFERENCE))):
         if mine is None or theirs is None:
             continue
         a = f"{mine.layout.label} {_config(mine)}"
@@ -225,8 +227,9 @@ def _model_table(cases: list[CasePrediction]) -> list[str]:
     for c in cases:
         o = c.one_mfu
         lines.append(f"| {c.grid.model.name}, {c.grid.gpus.total} | {c.seq_length} | "
-                     f"{_gain(c.gain_over('1f1b'))} | {_gain(o.gain_over('1f1b'))} | "
-                     f"{_gain(c.gain_over('1f1b-r'))} | {_gain(o.gain_over('1f1b-r'))} | "
+                     f"{_gain(c.gain_over(REFERENCE))} | {_gain(o.gain_over(REFERENCE))} | "
+                     f"{_gain(c.gain_over(REFERENCE_RECOMPUTED))} | "
+                     f"{_gain(o.gain_over(REFERENCE_RECOMPUTED))} | "
                      f"{_changes(c)} |")
     return lines
 

@@ -35,14 +35,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..schedule.names import SCHEDULES
+from ..schedule.names import AUTO, REFERENCE, V_HALF, V_ZB, ZB_1P, schedule_info
 
 __all__ = ["TRIAL_SCHEDULES", "TrialSettings", "RunOutcome", "schedule_command", "run_trial",
            "DROPPED_FLAGS"]
 
 log = logging.getLogger(__name__)
 
-TRIAL_SCHEDULES = ("1f1b", "zb-1p", "v-half", "v-zb", "auto")
+TRIAL_SCHEDULES = (REFERENCE, ZB_1P, V_HALF, V_ZB, AUTO)
 """The default comparison: megatron's 1F1B (the reference every loss is compared with), the
 plugin's zero-bubble 1F1B, V-Half, V-ZB and ``auto``."""
 
@@ -78,13 +78,14 @@ class TrialSettings:
         if not self.command:
             raise ValueError("vshape trial needs the launch command after --: vshape trial "
                              "--output DIR -- torchrun ... scripts/pretrain_gpt_vshape.py ...")
-        unknown = [s for s in self.schedules if s not in SCHEDULES]
-        if unknown or not self.schedules:
-            raise ValueError(f"--schedules: unknown {unknown or 'none given'}; valid choices: "
-                             f"{', '.join(SCHEDULES)}")
-        if "1f1b" not in self.schedules:
-            raise ValueError("--schedules must include 1f1b: every schedule's losses are "
-                             "compared with megatron's own 1F1B")
+        if not self.schedules:
+            raise ValueError(f"--schedules: none given; give {REFERENCE} and the schedules to "
+                             "compare with it")
+        for name in self.schedules:
+            schedule_info(name, "--schedules")
+        if REFERENCE not in self.schedules:
+            raise ValueError(f"--schedules must include {REFERENCE}: every schedule's losses "
+                             "are compared with megatron's own 1F1B")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {self.iters} and "
                              f"{self.warmup}")
@@ -140,8 +141,8 @@ def schedule_command(settings: TrialSettings, schedule: str, start: list[str],
     replaced (:data:`DROPPED_FLAGS`), ``start`` (the initial checkpoint's flags) added; under
     sbatch, ``--wait`` so the trial sees the job end."""
     command = _without(list(settings.command),
-                       DROPPED_FLAGS if schedule == "auto" else {**DROPPED_FLAGS,
-                                                                 **AUTO_ONLY_FLAGS})
+                       DROPPED_FLAGS if schedule_info(schedule).memory_limited
+                       else {**DROPPED_FLAGS, **AUTO_ONLY_FLAGS})
     if settings.slurm and "--wait" not in command and "-W" not in command:
         command.insert(1, "--wait")
     return command + ["--pipeline-schedule", schedule, "--train-iters",
@@ -190,7 +191,7 @@ def initial_checkpoint(settings: TrialSettings) -> tuple[list[str], RunOutcome |
     if any(w.split("=", 1)[0] == "--load" for w in settings.command):
         return (["--finetune"] if "--finetune" not in settings.command else []), None
     folder = (settings.output / "init" / "checkpoint").resolve()
-    command = schedule_command(settings, "1f1b", ["--save", str(folder), "--save-interval",
+    command = schedule_command(settings, REFERENCE, ["--save", str(folder), "--save-interval",
                                                   "1"], iterations=1)
     outcome = _launch(settings, "init", command)
     return ["--load", str(folder), "--finetune"], outcome

@@ -15,6 +15,7 @@ from ..plan.candidates import GridPoint
 from ..plan.evaluate import Evaluator
 from ..plan.model import ModelConfig
 from ..plan.settings import ClusterConfig, TrainingConfig
+from ..schedule.names import REFERENCE, schedule_info
 from .logs import parse_log
 from .trial_report import loss_tolerance, ran_order
 
@@ -75,7 +76,7 @@ def _ran(row: dict, point: GridPoint):
 def _predict(evaluator: Evaluator, point: GridPoint, row: dict, on_gpu: bool) -> dict:
     name, schedule = row["schedule"], _ran(row, point)
     activations = evaluator.activation_bytes(point, schedule, workspace=on_gpu)
-    prediction = evaluator.evaluate_auto(point) if name == "auto" else \
+    prediction = evaluator.evaluate_auto(point) if schedule_info(name).memory_limited else \
         evaluator.evaluate(point, name)
     return {"activation_bytes": [round(b) for b in activations],
             "peak_bytes": round(prediction.peak_bytes) if on_gpu else None,
@@ -86,7 +87,7 @@ def predictions(report: dict) -> dict:
     """``report`` with a ``predicted`` entry in each ran schedule's row (``{"error": ...}``
     where the planner cannot model the flags)."""
     rows = report["schedules"]
-    reference = next((r for r in rows if r["schedule"] == "1f1b" and r["status"] == "ok"), None)
+    reference = next((r for r in rows if r["schedule"] == REFERENCE and r["status"] == "ok"), None)
     if reference is None:
         return report
     with open(reference["log"], errors="replace") as handle:

@@ -37,6 +37,7 @@ from ..schedule.model.costs import Costs
 from ..schedule.model.placement import Layout, Placement
 from ..schedule.model.schedule import Schedule
 from ..schedule.model.simulate import simulate
+from ..schedule.names import REFERENCE
 from ..schedule.registry import build_schedule
 from .logs import RunLog, parse_log
 
@@ -260,7 +261,7 @@ def trial_report(settings, init, outcomes: list, wall_seconds: float | None = No
     if init is not None and not init.ok:
         why = _status(init, _read(init.log))[1]
         rows = [{**r, "reason": f"{r['reason']} ({why}; log {init.log})"} for r in rows]
-    reference = next(r for r in rows if r["schedule"] == "1f1b")
+    reference = next(r for r in rows if r["schedule"] == REFERENCE)
     for row in rows:
         if row["status"] == "ok" and reference["status"] == "ok":
             _compare(row, reference)

@@ -26,7 +26,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from ..schedule.names import PLUGIN_SCHEDULES
+from ..schedule.names import PLUGIN_SCHEDULES, REFERENCE, schedule_info
 from .head_layouts import LAYOUT_SCHEDULE, emulated_stage_costs, stage_layouts
 from .pipeline_world import (forward_progress, model_parallel, no_gc_pauses, placed_chunks,
                              two_chunks)
@@ -35,7 +35,7 @@ from .tiny_gpt import TinyGPT
 __all__ = ["DemoSettings", "ScheduleRun", "LayoutRun", "DemoRuns", "run_schedules",
            "DEMO_SCHEDULES", "DEVICE_RATIOS"]
 
-DEMO_SCHEDULES = ("1f1b",) + PLUGIN_SCHEDULES
+DEMO_SCHEDULES = (REFERENCE,) + PLUGIN_SCHEDULES
 """megatron's 1F1B, the reference, and every schedule the plugin runs."""
 
 DEVICE_RATIOS = (1.0, 1.39, 0.35)
@@ -281,11 +281,11 @@ def _build(settings: DemoSettings, schedule: str, groups: dict, emulate=None, st
                            settings.model.transformer_config(settings.ranks), schedule,
                            settings.ranks, stage_layers)
     init_by_name(chunks, settings.tied)
-    if schedule == "1f1b" and emulate is None:
+    if schedule == REFERENCE and emulate is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return chunks, get_forward_backward_func()
-    auto = schedule == "auto"
+    auto = schedule_info(schedule).memory_limited
     return chunks, VShapeForwardBackward(
         schedule, timeout=settings.timeout, memory_limit=settings.memory_limit if auto else None,
         replan_after=1 if auto and emulate is None else 0, costs=emulate, emulate=emulate,

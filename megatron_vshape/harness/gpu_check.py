@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..plan.model import ModelConfig, load_model_config
-from ..schedule.names import PLUGIN_SCHEDULES
+from ..schedule.names import MEMORY_LEVELS, PLUGIN_SCHEDULES, REFERENCE, V_SCHEDULES, schedule_info
 from ..plan.settings import TrainingConfig
 from .pipeline_world import (forward_progress, model_parallel, no_gc_pauses, placed_chunks,
                              two_chunks)
@@ -51,14 +51,14 @@ __all__ = ["CHECK_SCHEDULES", "DEVICES", "DTYPES", "UNEVEN_SCHEDULES", "UNEVEN_S
            "CheckSettings", "ScheduleCheck", "check_settings", "uneven_settings", "run_check",
            "loss_tolerance"]
 
-CHECK_SCHEDULES = ("1f1b",) + PLUGIN_SCHEDULES
+CHECK_SCHEDULES = (REFERENCE,) + PLUGIN_SCHEDULES
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
 UNEVEN_STAGE_LAYERS = (1, 2, 2, 3, 3, 2, 2, 1)
 """The uneven run's layers per V stage (PP 4, 16 layers): rank 0 keeps 2 layers beside the
 embedding and the heavy LM head, rank 3 takes 6 (a layout the planner's search gives a head
 of about 4 layers, the GPU model's at a 131072 vocabulary)."""
-UNEVEN_SCHEDULES = ("1f1b", "v-min", "v-half", "v-zb")
+UNEVEN_SCHEDULES = (REFERENCE,) + tuple(n for n in V_SCHEDULES if n in MEMORY_LEVELS)
 """The uneven run: the reference and the fixed V schedules (auto and zb-1p need no second
 look: auto re-plans the same V orders, zb-1p holds one chunk per rank)."""
 
@@ -131,10 +131,11 @@ class CheckSettings:
         if self.steps < 1 or self.microbatches < 1:
             raise ValueError(f"steps and microbatches must be >= 1, got {self.steps}, "
                              f"{self.microbatches}")
-        bad = [s for s in self.schedules if s not in CHECK_SCHEDULES]
-        if bad or self.schedules[:1] != ("1f1b",):
-            raise ValueError(f"schedules must start with 1f1b (the reference) and name only "
-                             f"{', '.join(CHECK_SCHEDULES)}; got {self.schedules}")
+        for schedule in self.schedules:
+            schedule_info(schedule, "schedules", CHECK_SCHEDULES)
+        if self.schedules[:1] != (REFERENCE,):
+            raise ValueError(f"schedules must start with {REFERENCE} (the reference); got "
+                             f"{self.schedules}")
         if self.stage_layers is not None:
             self._check_stage_layers()
 
@@ -145,7 +146,7 @@ class CheckSettings:
             raise ValueError(f"stage_layers {tuple(layers)} must give each of the V's "
                              f"2 x {self.ranks} stages at least one layer, "
                              f"{self.model.num_layers} in all")
-        if "auto" in self.schedules:
+        if any(schedule_info(s).memory_limited for s in self.schedules):
             raise ValueError("stage_layers: auto re-plans on the even layout; run the fixed "
                              "V schedules (v-min, v-half, v-zb) on an uneven one")
 
@@ -316,7 +317,7 @@ def _build(settings: CheckSettings, schedule: str, groups: dict):
     # the Parameter objects, so the W stores and hooks stay attached)
     chunks = [c.to(device=_device(settings), dtype=config.params_dtype) for c in chunks]
     init_by_name(chunks, settings.tied)
-    auto = schedule == "auto"
+    auto = schedule_info(schedule).memory_limited
     return chunks, VShapeForwardBackward(
         schedule, timeout=settings.timeout, memory_limit=settings.memory_limit if auto else None,
         replan_after=1 if auto else 0, stream_groups=groups)

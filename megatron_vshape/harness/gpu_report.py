@@ -22,6 +22,8 @@ import dataclasses
 import platform
 import sys
 
+from ..schedule.names import REFERENCE
+
 __all__ = ["MEMORY_TOLERANCE", "REPORT_KEYS", "PIPELINE_KEYS", "SCHEDULE_KEYS", "machine",
            "pipeline_report", "predicted_bytes", "render_markdown"]
 
@@ -83,7 +85,7 @@ def pipeline_report(settings, runs: dict, wall_seconds: float) -> dict:
 
     tolerance = loss_tolerance(settings.dtype)
     memory = MEMORY_TOLERANCE[settings.device]
-    reference = runs["1f1b"]
+    reference = runs[REFERENCE]
     rows = [_row(settings, run, reference, tolerance, memory) for run in runs.values()]
     model = dataclasses.asdict(settings.model)
     return {"device": settings.device, "dtype": settings.dtype,

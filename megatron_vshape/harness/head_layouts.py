@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from ..schedule.model.costs import Costs
 from ..schedule.model.placement import Layout, Placement, stage_layer_counts
+from ..schedule.names import V_ZB
 
 __all__ = ["LAYOUT_SCHEDULE", "balanced_stage_layers", "emulated_stage_costs",
            "stage_layouts"]
 
-LAYOUT_SCHEDULE = "v-zb"
+LAYOUT_SCHEDULE = V_ZB
 """The schedule the two layouts run: the V built for throughput, where a slow rank shows."""
 
 

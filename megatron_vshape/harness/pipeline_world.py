@@ -11,13 +11,16 @@ import contextlib
 import gc
 import threading
 
+from ..schedule.model.placement import Layout
+from ..schedule.names import schedule_info
+
 __all__ = ["two_chunks", "model_parallel", "placed_chunks", "no_gc_pauses",
            "forward_progress"]
 
 
 def two_chunks(schedule: str) -> bool:
-    """Whether ``schedule`` places two chunks per rank (a V) rather than one."""
-    return schedule not in ("1f1b", "zb-1p")
+    """Whether ``schedule`` places two chunks per rank as a V (schedule/names.py)."""
+    return schedule_info(schedule).layout is Layout.V
 
 
 def model_parallel(ranks: int, v_layout: bool, current: bool | None) -> bool:
@@ -61,7 +64,7 @@ def placed_chunks(provider, config, schedule: str, ranks: int, stage_layers=None
         raise ValueError(f"stage_layers place a V's stages; {schedule} runs one chunk per rank")
     rank = ps.get_pipeline_model_parallel_rank()
     chunk = provider(config=config, pre_process=rank == 0, post_process=rank == ranks - 1)
-    if schedule == "zb-1p":
+    if schedule_info(schedule).splits_w:
         defer_weight_grads(chunk, WeightGradStore())
     return [chunk]
 

@@ -13,8 +13,9 @@ import argparse
 import logging
 
 from ..schedule.model.limits import MemoryLimit
+from ..schedule.model.placement import Layout
 from ..schedule.registry import SCHEDULES, VARIANTS
-from ..schedule.names import V_SCHEDULES
+from ..schedule.names import V_SCHEDULES, megatrons_own, schedule_info
 from .features import STRICT_FLAG, layout_stages, refusals, stand_in_settings, virtual_stages
 from .forward_backward import replans
 from .install import VShapeConfig
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def default_schedule(args) -> str:
     """What stock pretrain_gpt.py runs for these flags: megatron's interleaved schedule with
     virtual pipeline stages (more than one per rank), else its 1F1B."""
-    return "interleaved-1f1b" if virtual_stages(args) > 1 else "1f1b"
+    return megatrons_own(Layout.LOOP if virtual_stages(args) > 1 else Layout.SINGLE)
 
 
 def check_arguments(args) -> None:
@@ -94,16 +95,16 @@ def recheck_arguments(args) -> None:
 
 def _schedule_problems(args) -> list[str]:
     """megatron's own schedules asked for against what the flags set up."""
-    name, stages = args.pipeline_schedule, virtual_stages(args)
-    if name == "interleaved-1f1b" and stages < 2:
-        return ["--pipeline-schedule interleaved-1f1b needs virtual pipeline stages "
+    name, fits = args.pipeline_schedule, default_schedule(args)
+    if not schedule_info(name).megatrons_own or name == fits:
+        return []
+    if schedule_info(name).layout is Layout.LOOP:
+        return [f"--pipeline-schedule {name} needs virtual pipeline stages "
                 "(--num-virtual-stages-per-pipeline-rank 2, or a --pipeline-model-parallel-layout "
                 "of more than PP stages)"]
-    if name == "1f1b" and stages > 1:
-        return ["--pipeline-schedule 1f1b runs one chunk per rank; with virtual pipeline "
-                "stages use --pipeline-schedule interleaved-1f1b (or leave --pipeline-schedule "
-                "out: megatron's own choice)"]
-    return []
+    return [f"--pipeline-schedule {name} runs one chunk per rank; with virtual pipeline "
+            f"stages use --pipeline-schedule {fits} (or leave --pipeline-schedule "
+            "out: megatron's own choice)"]
 
 
 def _layout_problems(args) -> list[str]:
@@ -135,7 +136,7 @@ def _flag_problems(args) -> list[str]:
     """The plugin's own flags."""
     problems = []
     if args.pipeline_memory_limit is not None:
-        if args.pipeline_schedule != "auto":
+        if not schedule_info(args.pipeline_schedule).memory_limited:
             problems.append("--pipeline-memory-limit applies to --pipeline-schedule auto only "
                             f"(got {args.pipeline_schedule}); fixed schedules have fixed memory")
         else:
@@ -168,7 +169,7 @@ def stand_in_notice(args) -> str | None:
 def vshape_config(args, stage_layers=None) -> VShapeConfig:
     """The plugin's one configuration, from checked arguments and a V's ``stage_layers``
     (megatron_lm_patch reads them from the layout flags or the hybrid pattern)."""
-    auto = args.pipeline_schedule == "auto"
+    auto = schedule_info(args.pipeline_schedule).memory_limited
     variant = args.pipeline_schedule_variant
     return VShapeConfig(schedule=args.pipeline_schedule,
                         memory_limit=args.pipeline_memory_limit if auto else None,

@@ -36,13 +36,13 @@ def layout_of(args) -> str:
 
 
 def _layout(schedule: str | None, virtual_stages: int | None) -> str:
-    from ..schedule.names import V_SCHEDULES
+    """'v', 'loop' or 'single' of ``schedule``; None: megatron's own by its virtual stages."""
+    from ..schedule.model.placement import Layout
+    from ..schedule.names import megatrons_own, schedule_info
 
-    if schedule in V_SCHEDULES:
-        return "v"
-    if schedule == "interleaved-1f1b" or (schedule is None and (virtual_stages or 1) > 1):
-        return "loop"
-    return "single"
+    if schedule is None:
+        schedule = megatrons_own(Layout.LOOP if (virtual_stages or 1) > 1 else Layout.SINGLE)
+    return schedule_info(schedule).layout.value
 
 
 def check_optimizer_layout(ckpt_args, sharding_type: str | None, schedule: str,
@@ -58,8 +58,10 @@ def check_optimizer_layout(ckpt_args, sharding_type: str | None, schedule: str,
     saved, running = layout_of(ckpt_args), _layout(schedule, None)
     if saved == running:
         return
-    saved_by = getattr(ckpt_args, "pipeline_schedule", None) or \
-        {"loop": "interleaved-1f1b", "single": "1f1b"}[saved]
+    from ..schedule.model.placement import Layout
+    from ..schedule.names import megatrons_own
+
+    saved_by = getattr(ckpt_args, "pipeline_schedule", None) or megatrons_own(Layout(saved))
     raise ValueError(
         f"checkpoint {where} holds distributed-optimizer state in megatron's {sharding_type} "
         f"format, laid out by the gradient buckets of --pipeline-schedule {saved_by} ({saved} "

@@ -26,7 +26,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..schedule.names import PLUGIN_SCHEDULES, V_SCHEDULES
+from ..schedule.names import PLUGIN_SCHEDULES, V_SCHEDULES, ZB_1P
 from .hybrid import MTP_SEPARATOR, PIPE, pattern_segments, unsupported_families
 from .stage_layout import LAYOUT_FLAGS, layout_flags_set, layout_stage_count
 
@@ -55,7 +55,7 @@ class Family(enum.Enum):
     """The plugin's schedules, by what a setting's verdict depends on."""
 
     V = "V"
-    ZB = "zb-1p"
+    ZB = ZB_1P
 
 
 def family_of(schedule: str) -> Family | None:

@@ -27,8 +27,8 @@ from ..runtime.profile import PassProfile
 from ..runtime.streams import StreamGroups
 from ..schedule.model.costs import Costs, MemoryModel
 from ..schedule.model.limits import MemoryLimit
-from ..schedule.registry import SCHEDULES, VARIANTS, build_schedule
-from ..schedule.names import MEMORY_LEVELS, schedule_info
+from ..schedule.registry import VARIANTS, build_schedule
+from ..schedule.names import AUTO, MEMORY_LEVELS, V_MIN, schedule_info
 from ..schedule.model.simulate import simulate
 from ..schedule.rewrite.weight_order import weights_in_backward_order
 from .compute import MegatronStages
@@ -44,16 +44,15 @@ log = logging.getLogger(__name__)
 def replans(schedule: str, variant: str = "fastest") -> bool:
     """Whether a schedule is re-planned from measured costs: auto, and the memory levels
     (schedule/search/levels.py) unless their paper order was asked for."""
-    return schedule == "auto" or (schedule in MEMORY_LEVELS and variant == "fastest")
+    info = schedule_info(schedule)
+    return info.memory_limited or (info.level and variant == "fastest")
 
 
 def checked_settings(schedule: str, variant: str, replan_after: int, timeout: float,
                      memory_limit: MemoryLimit | str | None) -> MemoryLimit | None:
     """The one check of a schedule choice's settings (``VShapeConfig`` and
     ``VShapeForwardBackward`` both run it); returns the memory limit parsed."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid choices: "
-                         f"{', '.join(SCHEDULES)}")
+    schedule_info(schedule)
     if variant not in VARIANTS:
         raise ValueError(f"unknown schedule variant {variant!r}; valid choices: "
                          f"{', '.join(VARIANTS)}")
@@ -193,10 +192,10 @@ class VShapeForwardBackward:
         runs before any pass, so a wrong model build fails with what to change.
         ``fifo_weights``: the model has Transformer Engine layers whose W passes must follow
         their stage's B order (weights_in_backward_order)."""
-        two = schedule_info(self.schedule).chunks == 2
-        if num_chunks != (2 if two else 1) or num_iterators != num_chunks:
+        chunks = schedule_info(self.schedule).chunks
+        if num_chunks != chunks or num_iterators != num_chunks:
             raise ValueError(
-                f"pipeline schedule {self.schedule!r} needs {2 if two else 1} model chunk(s) and as "
+                f"pipeline schedule {self.schedule!r} needs {chunks} model chunk(s) and as "
                 f"many data iterators per rank, got {num_chunks} and {num_iterators}; build the "
                 "model with megatron_vshape.megatron.model.build_v_chunks for V schedules")
         key = (p, m)
@@ -213,13 +212,13 @@ class VShapeForwardBackward:
         """The schedule for (p, m); ``auto`` under a byte limit starts as V-Min (the smallest
         memory) until the profiled iterations have measured the bytes of a unit."""
         memory = self.replanner.memory or MemoryModel()
-        if self.schedule != "auto":
+        if not schedule_info(self.schedule).memory_limited:
             return build_schedule(self.schedule, p, m, costs=self.costs, variant=self.variant,
                                   memory=memory)
         if self.memory_limit is not None and self.memory_limit.needs_activation_bytes and \
                 self.replanner.activation_bytes is None:
-            return build_schedule("v-min", p, m)
-        return build_schedule("auto", p, m, costs=self.costs,
+            return build_schedule(V_MIN, p, m)
+        return build_schedule(self.schedule, p, m, costs=self.costs,
                               memory_limit=self.replanner.limit_units(p, m), memory=memory)
 
     def _replan(self, schedule, pg, spec) -> None:

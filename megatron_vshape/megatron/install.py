@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from ..schedule.model.limits import MemoryLimit
-from ..schedule.names import PLUGIN_SCHEDULES
+from ..schedule.names import PLUGIN_SCHEDULES, REFERENCE
 from .forward_backward import VShapeForwardBackward, checked_settings
 from .model import is_v_placed
 from .touch_points import check_touch_points
@@ -53,7 +53,7 @@ class VPlacementError(RuntimeError):
 class VShapeConfig:
     """Which pipeline schedule megatron's training loop runs."""
 
-    schedule: str = "1f1b"
+    schedule: str = REFERENCE
     """One of 1f1b, interleaved-1f1b (megatron's own), zb-1p, v-min, v-half, v-zb, auto."""
     memory_limit: MemoryLimit | str | None = None
     """auto: peak activation memory per rank, a fraction of 1F1B's ("0.5") or bytes ("40GiB")."""

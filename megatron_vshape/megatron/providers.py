@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from ..schedule.names import ZB_1P
+
 __all__ = ["VChunkProvider", "deferred_standard_provider", "check_weight_grads_split",
            "weights_kept_in_b"]
 
@@ -80,7 +82,7 @@ def deferred_standard_provider(base: Callable, config_factory: Callable | None =
             kwargs = dict(kwargs, config=with_te_delay_wgrad(config))
         model = base(*args, **kwargs)
         defer_weight_grads(model, WeightGradStore(), mark_for_ddp=True)
-        check_weight_grads_split(model, "zb-1p")
+        check_weight_grads_split(model, ZB_1P)
         return model
     return provider
 

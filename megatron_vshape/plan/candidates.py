@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..schedule.registry import SCHEDULES
+from ..schedule.names import SCHEDULES, schedule_info
 from .model import ModelConfig
 from .recompute import RECOMPUTE
 from .settings import ClusterConfig, TrainingConfig
@@ -69,10 +69,10 @@ class SearchSpace:
             raise ValueError(f"--recompute: unknown {bad or 'none given'}; valid choices: "
                              f"{', '.join(RECOMPUTE)}")
         object.__setattr__(self, "recompute", tuple(dict.fromkeys(self.recompute)))
-        unknown = [s for s in self.schedules if s not in SCHEDULES]
-        if unknown or not self.schedules:
-            raise ValueError(f"--schedules: unknown {unknown or 'none given'}; valid choices: "
-                             f"{', '.join(SCHEDULES)}")
+        if not self.schedules:
+            raise ValueError(f"--schedules: none given; valid choices: {', '.join(SCHEDULES)}")
+        for schedule in self.schedules:
+            schedule_info(schedule, "--schedules")
         object.__setattr__(self, "schedules", tuple(dict.fromkeys(self.schedules)))
         object.__setattr__(self, "micro_batch_sizes",
                            _ints(self.micro_batch_sizes, "--micro-batch-sizes"))

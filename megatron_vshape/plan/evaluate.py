@@ -22,6 +22,7 @@ from typing import Callable
 from ..schedule import Costs, MemoryModel, ScheduleError, build_schedule, simulate
 from ..schedule.model.placement import Layout as StageLayout, Placement
 from ..schedule.search import InfeasibleMemoryError, memory_limit_units, search
+from ..schedule.names import AUTO
 from .candidates import NO_PIPELINE, STAGE_LAYOUTS, GridPoint
 from .cost import (PartTimes, PassTimes, analytic_times, dp_seconds, model_flops_per_sample,
                    p2p_seconds, rank_costs, replay_share, stage_costs, stage_times,
@@ -261,7 +262,7 @@ class Evaluator:
 
     def evaluate_auto(self, point: GridPoint) -> Prediction:
         """``auto``: the fastest V schedule under the memory the tightest rank has left."""
-        layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, "auto",
+        layout = ParallelLayout(point.dp, point.tp, point.pp, point.micro_batch_size, AUTO,
                                 ep=point.ep)
         placement = Placement(point.pp, StageLayout.V)
         try:

@@ -13,6 +13,7 @@ megatron the virtual stages of interleaved 1F1B (megatron refuses both flags tog
 from __future__ import annotations
 
 from ..schedule.model.placement import Layout, stage_layer_counts
+from ..schedule.names import schedule_info
 from .candidates import NO_PIPELINE
 from ..schedule.io.megatron_layout import layout_of_counts
 from .evaluate import Prediction
@@ -72,9 +73,9 @@ def row_flags(row: Prediction, result: PlanResult) -> list[str]:
         result.model.num_layers, len(stages))
     if uneven:
         flags += ["--pipeline-model-parallel-layout", layout_of_counts(stages)]
-    elif lay.schedule == "interleaved-1f1b":
+    elif lay.schedule != NO_PIPELINE and schedule_info(lay.schedule).layout is Layout.LOOP:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(Layout.LOOP.chunks)]
-    if lay.schedule == "auto":
+    if lay.schedule != NO_PIPELINE and schedule_info(lay.schedule).memory_limited:
         limit = -(-row.activation_bytes * 10 // GIB) / 10
         flags += ["--pipeline-memory-limit", f"{limit:.1f}GiB"]
     return flags + list(_RECOMPUTE[lay.recompute])

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..schedule.names import AUTO, V_HALF, V_MIN, schedule_info
 from .candidates import NO_PIPELINE, GridPoint, SearchSpace, grid_points
 from .evaluate import Evaluator, Prediction
 from .model import ModelConfig
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 LAYOUT_ROWS = 4
 """Rows per schedule label that get a chosen layout under ``stage_layouts="best"``."""
 
-_PROXIES = ("v-min", "v-half")
+_PROXIES = (V_MIN, V_HALF)
 """Schedules that rank points for ``auto`` when no fixed schedule was asked for."""
 
 
@@ -93,7 +94,7 @@ def _auto_points(evaluator: Evaluator, points: list[GridPoint], rows: list[Predi
     """The ``auto_candidates`` points where the fixed schedules (or V proxies) do best."""
     model = evaluator.model
     pipelined = [p for p in points if 1 < p.pp and 2 * p.pp <= model.num_layers]  # a V fits
-    fixed = [s for s in space.schedules if s != "auto"]
+    fixed = [s for s in space.schedules if not schedule_info(s).memory_limited]
     by_point: dict[GridPoint, list[Prediction]] = {p: [] for p in pipelined}
     if fixed:
         for row in rows:
@@ -149,7 +150,8 @@ def plan(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
     points, skipped = grid_points(model, training, cluster, space)
     rows: list[Prediction] = []
     for point in points:
-        names = [NO_PIPELINE] if point.pp == 1 else [s for s in space.schedules if s != "auto"]
+        names = [NO_PIPELINE] if point.pp == 1 else \
+            [s for s in space.schedules if not schedule_info(s).memory_limited]
         rows.extend(evaluator.evaluate(point, name, kind) for name in names
                     for kind in recompute_choices(name, space.recompute,
                                                   training.flash_attention))
@@ -157,7 +159,7 @@ def plan(model: ModelConfig, training: TrainingConfig, cluster: ClusterConfig,
              time.perf_counter() - started)
     if space.stage_layouts == "best":
         rows = _with_best_layouts(evaluator, rows)
-    if "auto" in space.schedules and space.auto_candidates and "none" in space.recompute:
+    if AUTO in space.schedules and space.auto_candidates and "none" in space.recompute:
         for point in _auto_points(evaluator, points, rows, space):
             rows.append(evaluator.evaluate_auto(point))
     feasible = sorted((r for r in rows if r.feasible), key=_rank_key)

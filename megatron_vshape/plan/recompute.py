@@ -21,12 +21,15 @@ evaluates it only without flash attention.
 """
 from __future__ import annotations
 
-__all__ = ["RECOMPUTE", "FULL_SCHEDULES", "SUFFIX", "label", "recompute_choices"]
+from ..schedule.names import AUTO, MEGATRON_OWN_SCHEDULES, REFERENCE
+
+__all__ = ["RECOMPUTE", "FULL_SCHEDULES", "SUFFIX", "label", "recompute_choices",
+           "REFERENCE_RECOMPUTED"]
 
 RECOMPUTE = ("none", "selective", "full")
 """Recomputation kinds (``vshape plan --recompute``)."""
 
-FULL_SCHEDULES = ("none", "1f1b", "interleaved-1f1b")
+FULL_SCHEDULES = ("none",) + MEGATRON_OWN_SCHEDULES
 """Schedules planned with full recomputation: megatron's own (``none``: PP = 1)."""
 
 SUFFIX = {"none": "", "selective": "+sel", "full": "-r"}
@@ -38,6 +41,10 @@ def label(schedule: str, recompute: str) -> str:
     return schedule + SUFFIX[recompute]
 
 
+REFERENCE_RECOMPUTED = label(REFERENCE, "full")
+"""``1f1b-r``: the paper's 1F1B-R, 1F1B with full recomputation, its other baseline."""
+
+
 def recompute_choices(schedule: str, wanted: tuple[str, ...], flash_attention: bool
                       ) -> tuple[str, ...]:
     """The kinds of ``wanted`` that are planned for ``schedule`` (module docstring)."""
@@ -45,7 +52,7 @@ def recompute_choices(schedule: str, wanted: tuple[str, ...], flash_attention: b
     for kind in wanted:
         if kind == "full" and schedule not in FULL_SCHEDULES:
             continue
-        if kind == "selective" and (flash_attention or schedule == "auto"):
+        if kind == "selective" and (flash_attention or schedule == AUTO):
             continue
         out.append(kind)
     return tuple(out)

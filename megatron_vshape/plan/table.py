@@ -11,9 +11,11 @@ from __future__ import annotations
 import csv
 import io
 
+from ..schedule.names import REFERENCE
 from .candidates import NO_PIPELINE
 from .evaluate import Prediction
 from .planner import PlanResult
+from .recompute import REFERENCE_RECOMPUTED
 from .settings import GIB
 
 __all__ = ["CSV_COLUMNS", "format_table", "format_csv", "csv_rows", "best_per_schedule"]
@@ -124,7 +126,7 @@ def _row(i: int, p: Prediction, moe: bool) -> str:
                     f"{p.optimizer_bytes / GIB:.1f}", p.dominant), moe)
 
 
-_BASELINES = ("1f1b", "1f1b-r")
+_BASELINES = (REFERENCE, REFERENCE_RECOMPUTED)
 """The rows the others' speed-ups are against: megatron's 1F1B, and 1F1B-R, the paper's."""
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..schedule.model.costs import Costs
 from ..schedule.registry import build_schedule
+from ..schedule.names import REFERENCE
 from ..schedule.model.simulate import simulate
 from .interpreter import PipelineRunner, RunnerConfig
 from .memory import ActivationTracker
@@ -132,7 +133,7 @@ def toy_worker(rank: int, world: int, run: ToyRun) -> dict:
     return results
 
 
-def summarize(values: list[dict], name: str, baseline: str = "1f1b") -> dict:
+def summarize(values: list[dict], name: str, baseline: str = REFERENCE) -> dict:
     """One schedule's results over ranks (``values``: each rank's :func:`toy_worker` result).
 
     ``peak_activation_vs_1f1b`` needs ``baseline`` to have run too (else it is None).

@@ -7,7 +7,7 @@ from .model.actions import ScheduleError
 from .model.costs import Costs, MemoryModel
 from .model.schedule import Schedule
 from .search.adaptive import search
-from .names import MEMORY_LEVELS, SCHEDULES
+from .names import SCHEDULES, schedule_info
 from .search.levels import fastest_at_level
 
 __all__ = ["SCHEDULES", "VARIANTS", "build_schedule"]
@@ -19,8 +19,7 @@ the paper's tables and figures show), for reproduction."""
 
 
 def _check(name: str, ranks, microbatches, variant: str) -> None:
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; valid choices: {', '.join(SCHEDULES)}")
+    schedule_info(name)
     if variant not in VARIANTS:
         raise ScheduleError(f"unknown variant {variant!r}; valid choices: {', '.join(VARIANTS)}")
     if not isinstance(ranks, int) or ranks < 2:
@@ -43,8 +42,9 @@ def build_schedule(name: str, ranks: int, microbatches: int, costs: Costs | None
     interleaved-1f1b are fixed orders.
     """
     _check(name, ranks, microbatches, variant)
-    if name == "auto":
+    info = schedule_info(name)
+    if info.memory_limited:
         return search(ranks, microbatches, costs, memory_limit, memory).schedule
-    if name in MEMORY_LEVELS and variant == "fastest":
+    if info.level and variant == "fastest":
         return fastest_at_level(name, ranks, microbatches, costs, memory)
     return paper_schedule(name, ranks, microbatches)

@@ -26,7 +26,9 @@ import torch
 from megatron_vshape.runtime.launch import run_gloo
 from megatron_vshape.runtime.toy import MODEL_KINDS, ToyModel, split_memory
 from megatron_vshape.runtime.toy_run import ToyRun, summarize, toy_worker
-from megatron_vshape.schedule import SCHEDULES, Costs, MemoryModel, build_schedule, simulate
+from megatron_vshape.schedule import (SCHEDULES, Costs, MemoryModel, ScheduleError, build_schedule,
+                                      simulate)
+from megatron_vshape.schedule.names import REFERENCE, schedule_info
 
 
 def _emulate(text):
@@ -53,12 +55,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     names = [n.strip() for n in args.schedule.split(",")]
-    bad = [n for n in names if n not in SCHEDULES]
-    if bad:
-        raise SystemExit(f"--schedule: unknown {bad}; valid choices: {', '.join(SCHEDULES)}")
+    for name in names:
+        try:
+            schedule_info(name, "--schedule")
+        except ScheduleError as err:
+            raise SystemExit(str(err)) from None
     model = ToyModel(kind=args.model, layers=args.layers or 4 * args.ranks,
                      dtype=getattr(torch, args.dtype))
-    run = ToyRun(tuple(dict.fromkeys(["1f1b"] + names)), args.microbatches, model,
+    run = ToyRun(tuple(dict.fromkeys([REFERENCE] + names)), args.microbatches, model,
                  steps=args.steps, emulate=_emulate(args.emulate))
     outcomes = run_gloo(toy_worker, args.ranks, run, timeout=1800)
     failed = [o for o in outcomes if not o.ok]

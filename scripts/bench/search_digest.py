@@ -92,14 +92,14 @@ class _Ties:
     def _record(self, pool):
         winner = pool.fastest()
         best = round(winner.makespan, 9)
-        self.found.append(sorted({c.provenance[-1] for c in pool.candidates
+        self.found.append(sorted({str(c.provenance[-1]) for c in pool.candidates
                                   if round(c.makespan, 9) == best}))
         made = {c.provenance: c.makespan for c in reversed(pool.candidates)}
         chain, before = [], None
         for i, step in enumerate(winner.provenance):
             now = made.get(winner.provenance[:i + 1])
             gain = 0.0 if before is None or now is None else round(before - now, 9)
-            chain.append([step, gain])
+            chain.append([str(step), gain])
             before = now if now is not None else before
         self.chains.append(chain)
 

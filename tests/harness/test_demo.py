@@ -101,7 +101,8 @@ def test_demo_emulation_settings(argv, emulate_ms):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--schedules", "v-quarter"], "--schedules: ['v-quarter'] unknown; valid choices: 1f1b"),
+    (["--schedules", "v-quarter"],
+     "--schedules: unknown schedule 'v-quarter'; valid choices: 1f1b"),
     (["--memory-limit", "lots"], "--memory-limit must be a number with a unit"),
     (["--ranks", "1"], "--ranks must be >= 2"),
     (["--ranks", "8"], "lower --ranks"),

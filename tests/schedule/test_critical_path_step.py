@@ -7,6 +7,7 @@ from megatron_vshape.schedule import (Layout, MemoryModel, Placement, Problem, p
 from megatron_vshape.schedule.rewrite.critical_path_cooldown import (LINES, critical_tail,
                                                                       critical_tails)
 from megatron_vshape.schedule.model.actions import ScheduleError
+from megatron_vshape.schedule.model.provenance import step
 from megatron_vshape.schedule.search import critical_path_step
 from megatron_vshape.schedule.search.adaptive import SearchRequest, search_steps
 from megatron_vshape.schedule.search.levels import clear_caches
@@ -14,6 +15,10 @@ from megatron_vshape.schedule.search.critical_path_step import (STEP, faster_tai
                                                                 tail_lines)
 from conftest import B_FREES, H100
 
+
+def _tailed(found) -> bool:
+    """Whether the search's answer had its cool-down re-scheduled critical path first."""
+    return any(done.name == STEP for done in found.schedule.provenance.steps)
 
 
 @pytest.mark.parametrize("limit, memory", [(6.0, MemoryModel()), (9.0, B_FREES)])
@@ -29,7 +34,7 @@ def test_search_ends_with_the_faster_tail_at_p16(limit, memory, monkeypatch):
         plain = search(p, m, costs, limit, memory)
     clear_caches()
     found = search(p, m, costs, limit, memory)
-    assert STEP in found.schedule.description and STEP not in plain.schedule.description
+    assert _tailed(found) and not _tailed(plain)
     assert found.result.makespan < 0.995 * plain.result.makespan
     assert found.result.makespan == simulate(found.schedule, costs, memory).makespan
     validate(found.schedule, limit, memory)
@@ -38,7 +43,7 @@ def test_search_ends_with_the_faster_tail_at_p16(limit, memory, monkeypatch):
 def test_search_leaves_the_tail_out_without_shapes():
     p, m = 16, 32
     found = search(p, m, parse_costs(H100, p), 6.0, shapes=False)
-    assert STEP not in found.schedule.description
+    assert not _tailed(found)
 
 
 def test_a_slower_tail_is_not_kept():
@@ -55,8 +60,12 @@ def test_a_slower_tail_is_not_kept():
 
 def test_lines_by_memory_and_the_description():
     assert tail_lines(16, 16.0) == ("own",) and tail_lines(16, 12.0) == LINES
-    assert tail_step(("x",), "own") == f"{STEP} (own line)"
-    assert tail_step(("x", f"{STEP} (own line)"), "first") == f"{STEP} (first line) again"
+    other = step("polished")
+    once = tail_step((other,), "own")
+    assert once == step(STEP, line="own", again=False) and str(once) == f"{STEP} (own line)"
+    again = tail_step((other, once), "first")
+    assert again == step(STEP, line="first", again=True)
+    assert str(again) == f"{STEP} (first line) again"
 
 
 def test_a_deadlocking_tail_is_passed_over():

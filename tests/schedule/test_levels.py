@@ -10,6 +10,7 @@ from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Pro
                                       ScheduleError, build_schedule, parse_memory_model, search,
                                       simulate, validate)
 from megatron_vshape.schedule.construct.greedy import Policy, greedy_schedule
+from megatron_vshape.schedule.model.provenance import Chosen, Provenance, step
 from megatron_vshape.schedule.names import MEMORY_LEVELS
 from megatron_vshape.schedule.search.levels import ALSO_TRY, Level, memory_level
 from megatron_vshape.schedule.search import local
@@ -76,8 +77,12 @@ def test_the_paper_variant_is_the_fixed_order_and_bad_variants_are_refused():
     c = h100_costs(4)
     paper = build_schedule("v-half", 4, 16, c, variant="paper")
     assert paper.rank_actions == build_schedule("v-half", 4, 16, variant="paper").rank_actions
-    assert paper.description.startswith("v-half block")
-    assert "level 3 units" in build_schedule("v-half", 4, 16, c).description
+    assert paper.provenance == Provenance((step("paper block", family="v-half", interval=6,
+                                                bound=3),))
+    assert paper.description == "v-half block, interval 6, bound 3 units"
+    fastest = build_schedule("v-half", 4, 16, c).provenance
+    assert fastest.chosen == Chosen("v-half", "level", 3.0)
+    assert str(fastest).startswith("v-half: ") and str(fastest).endswith(" (level 3 units)")
     with pytest.raises(ScheduleError, match="unknown variant 'best'.*fastest, paper"):
         build_schedule("v-half", 4, 16, variant="best")
 
@@ -191,7 +196,7 @@ def test_v_min_at_p4_takes_the_moves_repeated_per_microbatch():
     c = h100_costs(p)
     v_min = build_schedule("v-min", p, m, c)
     validate(v_min, memory_limit=memory_level("v-min", p))
-    assert "moves repeated per microbatch" in v_min.description
+    assert "moves repeated per microbatch" in [s.name for s in v_min.provenance.steps]
     one = simulate(build_schedule("1f1b", p, m), c).makespan
     assert simulate(v_min, c).makespan <= 1.197 * one
 

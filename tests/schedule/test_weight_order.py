@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_vshape.schedule import (Costs, MemoryModel, PassKind, build_schedule, simulate,
                                       validate)
+from megatron_vshape.schedule.model.provenance import step
 from megatron_vshape.schedule.rewrite.weight_order import weights_in_backward_order
 
 B, W = PassKind.B, PassKind.W
@@ -44,7 +45,8 @@ def test_the_measured_v_zb_gets_its_w_passes_in_b_order_at_no_cost():
     _same_run(polished, fixed, MEASURED, memory)
     assert [[a.kind for a in r] for r in fixed.rank_actions] == \
         [[a.kind for a in r] for r in polished.rank_actions]
-    assert fixed.description.endswith(", W in B order")
+    assert fixed.provenance == polished.provenance.followed_by(step("W in B order"))
+    assert fixed.description == f"{polished.description}, W in B order"
     assert weights_in_backward_order(fixed) is fixed
 
 

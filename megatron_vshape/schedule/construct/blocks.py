@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..model.actions import PassKind, ScheduleError
+from .. import names
 from ..model.placement import Layout
 
 __all__ = ["BuildingBlock", "BlockFamily", "V_MIN", "V_HALF", "V_ZB", "ONE_F_ONE_B", "ZB_1P"]
@@ -138,14 +139,25 @@ def _v_half_reorders(p: int) -> tuple[str, ...]:
     return ("cooldown", "head") if p <= 4 else ("cooldown",)
 
 
-V_MIN = BlockFamily("v-min", Layout.V, 6, _v_min, lambda p: (p + 4) // 3, reorders=lambda p: ("cooldown",))
-V_HALF = BlockFamily("v-half", Layout.V, 6, _v_half, lambda p: (p + 2) // 2, reorders=_v_half_reorders)
+def _named(name: str) -> dict:
+    """A named family's facts as the one table has them (schedule/names.py): its layout and
+    whether W is split from B."""
+    info = names.schedule_info(name)
+    return dict(name=name, layout=info.layout, split_backward=info.splits_w)
+
+
+V_MIN = BlockFamily(**_named(names.V_MIN), interval=6, rank_slots=_v_min,
+                    memory_bound=lambda p: (p + 4) // 3, reorders=lambda p: ("cooldown",))
+V_HALF = BlockFamily(**_named(names.V_HALF), interval=6, rank_slots=_v_half,
+                     memory_bound=lambda p: (p + 2) // 2, reorders=_v_half_reorders)
 # V-ZB is not built from its repeated block (neither is the reference's): the hand-written
 # ZB-V order reaches zero bubble per rank. The block data still describes it (memory, offsets)
 # and can be list-scheduled ("head") for comparison.
-V_ZB = BlockFamily("v-zb", Layout.V, 6, _v_zb, lambda p: p, reorders=lambda p: ("zbv",))
-ONE_F_ONE_B = BlockFamily("1f1b", Layout.SINGLE, 2, _one_f_one_b, lambda p: p, split_backward=False)
+V_ZB = BlockFamily(**_named(names.V_ZB), interval=6, rank_slots=_v_zb, memory_bound=lambda p: p,
+                   reorders=lambda p: ("zbv",))
+ONE_F_ONE_B = BlockFamily(**_named(names.ONE_F_ONE_B), interval=2, rank_slots=_one_f_one_b,
+                          memory_bound=lambda p: p)
 # ZB-1P keeps its plain repeated order: deferring W passes in unit slots (zero bubble's ZB-H1
 # idea) gains at uniform costs (0.094 vs 0.111 bubble, p=4, m=16) but loses to 1F1B once
 # F, B and W differ (0.172 vs 0.121 at costs 1,1.2,0.8), while the plain order stays robust.
-ZB_1P = BlockFamily("zb-1p", Layout.SINGLE, 3, _zb_1p, lambda p: p)
+ZB_1P = BlockFamily(**_named(names.ZB_1P), interval=3, rank_slots=_zb_1p, memory_bound=lambda p: p)

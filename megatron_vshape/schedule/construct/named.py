@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from ..model.actions import Action, PassKind, ScheduleError
 from ..model.placement import Layout, Placement
+from ..model.provenance import Provenance, step
+from ..names import INTERLEAVED_1F1B
 from ..model.schedule import Schedule
 from .blocks import ONE_F_ONE_B, V_HALF, V_MIN, V_ZB, ZB_1P, BlockFamily
 from .compose import compose
@@ -17,7 +19,7 @@ FAMILIES: dict[str, BlockFamily] = {f.name: f for f in (ONE_F_ONE_B, ZB_1P, V_MI
 
 def paper_schedule(name: str, ranks: int, microbatches: int) -> Schedule:
     """The named block's order (1f1b, zb-1p, v-min, v-half, v-zb), or interleaved 1F1B."""
-    if name == "interleaved-1f1b":
+    if name == INTERLEAVED_1F1B:
         return interleaved_1f1b(ranks, microbatches)
     family = FAMILIES[name]
     block = family.build(ranks)
@@ -28,7 +30,8 @@ def paper_schedule(name: str, ranks: int, microbatches: int) -> Schedule:
         microbatches=microbatches,
         rank_actions=orders,
         memory_bound=block.memory_bound,
-        description=f"{name} block, interval {block.interval}, bound {block.memory_bound:g} units",
+        provenance=Provenance((step("paper block", family=name, interval=block.interval,
+                                    bound=block.memory_bound),)),
     )
 
 
@@ -60,10 +63,10 @@ def interleaved_1f1b(ranks: int, microbatches: int) -> Schedule:
             seq.append(b)
         orders.append(tuple(seq))
     return Schedule(
-        name="interleaved-1f1b",
+        name=INTERLEAVED_1F1B,
         placement=placement,
         microbatches=m,
         rank_actions=tuple(orders),
         memory_bound=(3 * p - 1) / 2,
-        description="megatron interleaved 1F1B, 2 chunks, loop placement",
+        provenance=Provenance((step("interleaved 1F1B"),)),
     )

@@ -6,6 +6,7 @@ from typing import Iterator
 
 from .actions import Action, PassKind, ScheduleError
 from .placement import Placement
+from .provenance import Provenance
 
 __all__ = ["Schedule"]
 
@@ -16,7 +17,8 @@ class Schedule:
 
     ``memory_bound`` is the peak activation memory the generator promises (in units of one
     microbatch's activations of one rank's whole share of layers), or None when it states none.
-    ``description`` says how the schedule was built (block, offsets, passes), for humans.
+    ``provenance`` is how the schedule was built (block, offsets, passes: model/provenance.py),
+    as data; ``description`` renders it for people.
     """
 
     name: str
@@ -24,7 +26,7 @@ class Schedule:
     microbatches: int
     rank_actions: tuple[tuple[Action, ...], ...]
     memory_bound: float | None = None
-    description: str = ""
+    provenance: Provenance = Provenance()
     lowered: bool = field(default=False)
 
     def __post_init__(self) -> None:
@@ -33,6 +35,11 @@ class Schedule:
                 f"schedule {self.name!r} has {len(self.rank_actions)} rank lists for "
                 f"{self.placement.ranks} ranks"
             )
+
+    @property
+    def description(self) -> str:
+        """How the schedule was built, in words (its provenance rendered)."""
+        return str(self.provenance)
 
     @property
     def ranks(self) -> int:
@@ -65,7 +72,7 @@ class Schedule:
             microbatches=self.microbatches,
             rank_actions=tuple(tuple(a) for a in rank_actions),
             memory_bound=self.memory_bound,
-            description=self.description,
+            provenance=self.provenance,
             lowered=self.lowered,
         )
         values.update(changes)

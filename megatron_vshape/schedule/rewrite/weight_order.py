@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 
 from ..model.actions import PassKind
+from ..model.provenance import step
 from ..model.schedule import Schedule
 
 __all__ = ["weights_in_backward_order"]
@@ -33,7 +34,8 @@ def weights_in_backward_order(schedule: Schedule) -> Schedule:
     orders = [_relabelled(actions) for actions in schedule.rank_actions]
     if all(new == tuple(old) for new, old in zip(orders, schedule.rank_actions)):
         return schedule
-    return schedule.with_actions(orders, description=f"{schedule.description}, W in B order")
+    return schedule.with_actions(orders,
+                                 provenance=schedule.provenance.followed_by(step("W in B order")))
 
 
 def _relabelled(actions) -> tuple:

@@ -90,8 +90,10 @@ from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
 from ..model.placement import Layout, Placement
 from ..model.problem import Problem
+from ..model.provenance import Chosen, Provenance, Step
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
+from ..names import AUTO
 from .constructions import (InfeasibleMemoryError, below_v_half, continuous_blocks, family_blocks,
                             fixed_blocks, none_fits, tries_wave, wave)
 from .freeing_at_b import freeing_nothing_at_b, refined_under
@@ -99,7 +101,7 @@ from .gc_pause import collector_paused
 from .improvements import (capped, defer_fastest, fill_fastest, fills_gaps, final_budget,
                            polish_winner, polishes, relay_winner, relays, repeat_moves, repeats,
                            replays)
-from .pool import Pool, describe
+from .pool import Pool
 from .settings import SETTINGS, Settings
 from .critical_path_step import with_faster_tail
 
@@ -188,9 +190,9 @@ class SearchResult:
     seconds: float
     candidates: int
     """How many candidates were timed."""
-    provenance: tuple[str, ...] = ()
-    """The steps that made the schedule, first to last; its description is rendered from them
-    (``_description``), never parsed back."""
+    provenance: tuple[Step, ...] = ()
+    """The steps that made the schedule, first to last (model/provenance.py: data; the
+    schedule's description renders them, and is never parsed back)."""
 
 
 @collector_paused
@@ -298,8 +300,9 @@ def clear_cache() -> None:
     _search_cached.cache_clear()
 
 
-def _description(provenance: tuple[str, ...], limit: float) -> str:
-    return f"auto: {describe(provenance)} (limit {limit:g} units)"
+def _chosen(provenance: tuple[Step, ...], limit: float) -> Provenance:
+    """The search's steps, chosen by ``auto`` under ``limit`` units."""
+    return Provenance(provenance, Chosen(AUTO, "limit", limit))
 
 
 def _with_tail(found: SearchResult, request: SearchRequest) -> SearchResult:
@@ -313,7 +316,7 @@ def _with_tail(found: SearchResult, request: SearchRequest) -> SearchResult:
     if tailed is None:
         return found
     orders, provenance = tailed
-    schedule = found.schedule.with_actions(orders, description=_description(provenance, limit))
+    schedule = found.schedule.with_actions(orders, provenance=_chosen(provenance, limit))
     return dataclasses.replace(found, schedule=schedule, result=simulate(schedule, costs, memory),
                                provenance=provenance)
 
@@ -331,7 +334,7 @@ def _refined(result: SearchResult, request: SearchRequest) -> list[SearchResult]
     for how, orders in refined_under(problem.with_limit(min(limit, own)), schedule.rank_actions,
                                      capped(budget, passes, settings)):
         provenance = result.provenance + (how,)
-        refined = schedule.with_actions(orders, description=_description(provenance, limit))
+        refined = schedule.with_actions(orders, provenance=_chosen(provenance, limit))
         out.append(SearchResult(refined, simulate(refined, costs, memory), 0.0, 1, provenance))
     return out
 
@@ -348,8 +351,8 @@ def search_steps(request: SearchRequest) -> SearchResult:
             step.run(pool)
     winner = pool.fastest()
     limit = problem.limit
-    schedule = Schedule("auto", problem.placement, problem.microbatches, winner.orders,
-                        memory_bound=limit, description=_description(winner.provenance, limit))
+    schedule = Schedule(AUTO, problem.placement, problem.microbatches, winner.orders,
+                        memory_bound=limit, provenance=_chosen(winner.provenance, limit))
     return SearchResult(schedule, simulate(schedule, problem.costs, problem.memory),
                         time.perf_counter() - started, len(pool.candidates), winner.provenance)
 

@@ -20,6 +20,7 @@ from ..model.actions import PassKind, ScheduleError
 from ..model.costs import MemoryModel
 from ..model.placement import Layout
 from ..model.problem import Problem
+from ..model.provenance import describe, step
 from ..model.schedule import Schedule
 from ..model.simulate import peak_memory
 from .pool import Pool
@@ -31,7 +32,7 @@ __all__ = ["InfeasibleMemoryError", "WAVE", "fixed_blocks", "tries_wave", "wave"
 _EPS = 1e-9
 F, B = PassKind.F, PassKind.B
 _FIXED = (V_MIN, V_HALF, V_ZB)
-WAVE = ("V-ZB wave, cost-aware",)
+WAVE = (step("wave"),)
 """The wave's provenance (it is also the search's fallback where nothing else fits)."""
 
 
@@ -54,13 +55,14 @@ def fixed_blocks(pool: Pool) -> None:
     p, m, limit, memory = problem.ranks, problem.microbatches, problem.limit, problem.memory
     for family in _FIXED:
         if fixed_block_over(family, p, m, limit, memory):  # its peak is known: skip the build
-            pool.smallest.append((family.memory_bound(p), f"{family.name} block"))
+            pool.smallest.append((family.memory_bound(p), (step("block", family=family.name),)))
             continue
         if _outgrown(family, p, limit):
             continue
-        pool.consider((f"{family.name} block",), functools.partial(_named, family.name, p, m))
+        block = step("block", family=family.name)
+        pool.consider((block,), functools.partial(_named, family.name, p, m))
         if family is not V_ZB:
-            pool.consider((f"{family.name} block", "slot-reordered"),
+            pool.consider((block, step("slot-reordered")),
                           functools.partial(slot_reorder, family.build(p), m), replayable=False)
 
 
@@ -84,7 +86,7 @@ def family_blocks(pool: Pool) -> None:
     for offsets, block in _family_within(p, m, limit, problem.memory, pool.smallest,
                                          pool.skipped, pool.settings.family_budget):
         block = dataclasses.replace(block, memory_bound=limit)
-        pool.consider((f"V family block, {offsets.describe()}",),
+        pool.consider((step("family block", offsets=offsets),),
                       functools.partial(compose, block, m))
 
 
@@ -96,7 +98,7 @@ def below_v_half(pool: Pool) -> bool:
 def continuous_blocks(pool: Pool) -> None:
     """periodic.py's cost-aware blocks at the ``period_scales`` periods."""
     for scale in pool.settings.period_scales:
-        pool.consider((f"continuous-offset block, period x{scale:g}",),
+        pool.consider((step("continuous block", scale=scale),),
                       functools.partial(_periodic, pool.problem, scale))
 
 
@@ -114,11 +116,11 @@ def infeasible(pool: Pool) -> InfeasibleMemoryError:
     skipped unprobed and of the wave at the least it can keep."""
     problem = pool.problem
     m, memory = problem.microbatches, problem.memory
-    pool.smallest.extend((probe_peak(block, m, memory), f"V family block, {offsets.describe()}")
+    pool.smallest.extend((probe_peak(block, m, memory), (step("family block", offsets=offsets),))
                          for offsets, block in pool.skipped)
     pool.smallest.extend(_least_wave(problem))
-    peak, description = min(pool.smallest)
-    return InfeasibleMemoryError(problem.limit, peak, description)
+    peak, steps = min(pool.smallest, key=lambda smallest: (smallest[0], describe(smallest[1])))
+    return InfeasibleMemoryError(problem.limit, peak, describe(steps))
 
 
 def _named(name: str, p: int, m: int) -> tuple:
@@ -145,7 +147,7 @@ def fixed_block_over(family, p: int, m: int, limit: float, memory: MemoryModel) 
 
 
 def _least_wave(problem: Problem) -> list:
-    """(peak, description) of the wave at the least limit it can keep: one microbatch of each
+    """(peak, provenance) of the wave at the least limit it can keep: one microbatch of each
     chunk in flight, the least any V order holds (rank 0 keeps both until the loss)."""
     least = problem.with_limit(problem.memory.forward)  # in units: two chunk-activations
     try:
@@ -153,7 +155,7 @@ def _least_wave(problem: Problem) -> list:
     except ScheduleError:
         return []
     schedule = Schedule("probe", problem.placement, problem.microbatches, orders)
-    return [(max(peak_memory(schedule, problem.memory)), "V-ZB wave, cost-aware")]
+    return [(max(peak_memory(schedule, problem.memory)), WAVE)]
 
 
 def _periodic(problem: Problem, scale: float) -> tuple:
@@ -177,7 +179,7 @@ def _family_within(p: int, m: int, limit: float, memory: MemoryModel, smallest: 
             skipped.append((offsets, block))
             continue
         peak = probe_peak(block, m, memory)
-        smallest.append((peak, f"V family block, {offsets.describe()}"))
+        smallest.append((peak, (step("family block", offsets=offsets),)))
         if peak <= limit + _EPS:
             fitting.append((-peak, offsets, block))
     fitting.sort(key=lambda x: (x[0], x[1]))

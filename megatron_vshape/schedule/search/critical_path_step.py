@@ -16,13 +16,14 @@ from __future__ import annotations
 from ..rewrite.critical_path_cooldown import LINES, critical_tails
 from ..model.actions import ScheduleError
 from ..model.problem import Problem
+from ..model.provenance import CRITICAL_TAIL, Step, step
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of
 
 __all__ = ["STEP", "tail_lines", "faster_tail", "with_faster_tail", "tail_step"]
 
-STEP = "cool-down critical path first"
-"""How a provenance names the step (once per application: "again" marks a second one)."""
+STEP = CRITICAL_TAIL
+"""The step's name in a provenance (model/provenance.py; ``again`` marks a second one)."""
 _EPS = 1e-9
 
 
@@ -50,7 +51,7 @@ def faster_tail(problem: Problem, schedule: Schedule, makespan: float
 
 
 def with_faster_tail(problem: Problem, schedule: Schedule, makespan: float,
-                     provenance: tuple[str, ...]) -> tuple[tuple, tuple] | None:
+                     provenance: tuple[Step, ...]) -> tuple[tuple, tuple] | None:
     """(orders, provenance) of ``schedule`` with its fastest critical tail (``faster_tail``),
     the step added to ``provenance`` (``tail_step``), or None where none beats ``makespan``."""
     tail = faster_tail(problem, schedule, makespan)
@@ -59,7 +60,6 @@ def with_faster_tail(problem: Problem, schedule: Schedule, makespan: float,
     return tail[1], provenance + (tail_step(provenance, tail[2]),)
 
 
-def tail_step(provenance: tuple[str, ...], line: str) -> str:
-    """The step as a provenance names it, "again" where ``provenance`` has it already."""
-    again = any(STEP in step for step in provenance)
-    return f"{STEP} ({line} line) again" if again else f"{STEP} ({line} line)"
+def tail_step(provenance: tuple[Step, ...], line: str) -> Step:
+    """The step with its line, ``again`` where ``provenance`` has it already."""
+    return step(STEP, line=line, again=any(done.name == STEP for done in provenance))

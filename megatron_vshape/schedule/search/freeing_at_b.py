@@ -30,6 +30,7 @@ from ..rewrite.weight_deferral import defer_weight_passes
 from ..model.actions import ScheduleError
 from ..model.costs import MemoryModel
 from ..model.problem import Problem
+from ..model.provenance import Step, step
 from .local import improve
 
 __all__ = ["freeing_nothing_at_b", "refined_under"]
@@ -47,7 +48,7 @@ def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
     return MemoryModel(memory.forward, 0.0, -memory.forward)
 
 
-def refined_under(problem: Problem, orders, budget: int) -> list[tuple[str, tuple]]:
+def refined_under(problem: Problem, orders, budget: int) -> list[tuple[Step, tuple]]:
     """(what was done, orders) for ``orders`` with their W passes deferred under the problem's
     memory model within its limit (the caller's: the candidate's peak where B frees nothing),
     and that polished with ``budget`` passes (local.py); an empty list when the deferral does
@@ -57,5 +58,5 @@ def refined_under(problem: Problem, orders, budget: int) -> list[tuple[str, tupl
     except ScheduleError:
         return []
     polished = improve(problem, deferred, budget).orders
-    return [("W deferred under the model", deferred),
-            ("W deferred and polished under the model", polished)]
+    return [(step("W deferred under the model"), deferred),
+            (step("W deferred and polished under the model"), polished)]

@@ -18,6 +18,7 @@ from ..rewrite.reshape_ends import reshape_cool_down, reshape_warm_up
 from ..rewrite.replay import replay_in_time
 from ..rewrite.weight_deferral import defer_weight_passes
 from ..model.problem import Problem
+from ..model.provenance import RELAID, step
 from .local import Improved, improve, improve_repeated
 from .settings import Settings
 from .pool import Candidate, Pool, candidate_key, fastest_distinct, fresh
@@ -48,7 +49,7 @@ def replays(pool: Pool) -> None:
                 if (base.orders, window, slack) in replayed:
                     continue
                 replayed.add((base.orders, window, slack))
-                pool.consider(base.provenance + (f"replayed in time (window {window})",),
+                pool.consider(base.provenance + (step("replayed in time", window=window),),
                               functools.partial(replay_in_time,
                                                 problem.with_cap(problem.cap + slack),
                                                 base.orders, window, abandon_above=problem.limit))
@@ -69,7 +70,7 @@ def relays(pool: Pool) -> None:
 def polishes(pool: Pool) -> None:
     """The ``polished`` fastest candidates improved by the local search (local.py)."""
     for base in fastest_distinct(pool.candidates, pool.settings.polished):
-        pool.consider(base.provenance + ("polished",),
+        pool.consider(base.provenance + (step("polished"),),
                       functools.partial(_polish, pool, base.orders, pool.settings.polish_budget))
 
 
@@ -101,13 +102,13 @@ def repeat_moves(pool: Pool) -> None:
     """Last, the winner improved by moves repeated in every microbatch (local.py), as a
     candidate: so it only adds wins."""
     base = pool.fastest()
-    pool.consider(base.provenance + ("moves repeated per microbatch",),
+    pool.consider(base.provenance + (step("moves repeated per microbatch"),),
                   functools.partial(_repeated, pool, base.orders))
 
 
 def _relaid(candidate: Candidate) -> bool:
     """Whether ``candidate``'s warm-up or cool-down was re-laid on its way."""
-    return any("re-laid" in step for step in candidate.provenance)
+    return any(done.name in RELAID for done in candidate.provenance)
 
 
 def repeats(pool: Pool) -> bool:
@@ -119,7 +120,7 @@ def repeats(pool: Pool) -> bool:
 
 def _deferred(pool: Pool, base: Candidate) -> None:
     """``base`` with its W passes deferred within its own peak (weight_deferral.py), a candidate."""
-    pool.consider(base.provenance + ("W deferred",),
+    pool.consider(base.provenance + (step("W deferred"),),
                   functools.partial(defer_weight_passes, pool.problem.with_limit(base.peak),
                                     base.orders),
                   replayable=False)
@@ -135,7 +136,7 @@ def _fill_fastest(pool: Pool, count: int) -> None:
     of those with its W passes deferred."""
     before = len(pool.candidates)
     for base in fastest_distinct(pool.candidates, count):
-        pool.consider(base.provenance + ("gaps filled",),
+        pool.consider(base.provenance + (step("gaps filled"),),
                       functools.partial(fill_gaps, pool.problem, base.orders),
                       replayable=False)
     for base in fastest_distinct(pool.candidates[before:], 1):
@@ -210,7 +211,7 @@ def capped(budget: int, passes: int, s: Settings) -> int:
 def _polish_further(pool: Pool, base: Candidate) -> None:
     """The last polish, with the larger budget (``final_budget``), as a candidate."""
     budget = final_budget(pool.problem.ranks, pool.problem.microbatches, pool.settings)
-    pool.consider(base.provenance + ("polished further",),
+    pool.consider(base.provenance + (step("polished further"),),
                   functools.partial(_polish, pool, base.orders, budget))
 
 
@@ -221,13 +222,13 @@ def _reshape_ends(pool: Pool, base: Candidate, own: int, cool_down_alone: bool =
     problem = pool.problem
     full = problem.full
     for peak in sorted({full, own}):
-        pool.consider(base.provenance + (f"warm-up re-laid (peak {peak})",),
+        pool.consider(base.provenance + (step(RELAID[0], peak=peak),),
                       functools.partial(reshape_warm_up, problem.with_cap(peak), base.orders),
                       replayable=False)
-    pool.consider(base.provenance + (f"warm-up and cool-down re-laid (peak {full})",),
+    pool.consider(base.provenance + (step(RELAID[1], peak=full),),
                   functools.partial(_reshape_both, problem, base.orders), replayable=False)
     if cool_down_alone:
-        pool.consider(base.provenance + (f"cool-down re-laid (peak {full})",),
+        pool.consider(base.provenance + (step(RELAID[2], peak=full),),
                       functools.partial(reshape_cool_down, problem, base.orders),
                       replayable=False)
 

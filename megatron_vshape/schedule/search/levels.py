@@ -37,13 +37,14 @@ from ..construct.slot_reorder import slot_reorder
 from ..model.actions import ScheduleError
 from ..model.costs import Costs, MemoryModel
 from ..model.problem import Problem
+from ..model.provenance import Chosen, Provenance, Step, step
 from ..model.schedule import Schedule
-from ..names import MEMORY_LEVELS
+from ..model.placement import Layout
+from ..names import MEMORY_LEVELS, schedule_info
 from ..model.simulate import makespan_of, peak_memory
 from .adaptive import AlsoTry, clear_cache as clear_search_cache, search
 from .freeing_at_b import freeing_nothing_at_b
 from .gc_pause import collector_paused
-from .pool import describe
 from .critical_path_step import with_faster_tail
 
 __all__ = ["memory_level", "fastest_at_level", "clear_caches", "Level", "ALSO_TRY"]
@@ -57,8 +58,7 @@ _EPS = 1e-9
 
 def memory_level(name: str, ranks: int) -> float:
     """The name's memory bound in units (module doc)."""
-    if name not in MEMORY_LEVELS:
-        raise ScheduleError(f"{name!r} is not a memory level; those are {', '.join(MEMORY_LEVELS)}")
+    schedule_info(name, "memory level", MEMORY_LEVELS)
     return float(FAMILIES[name].memory_bound(ranks))
 
 
@@ -86,6 +86,11 @@ class Level:
         """The name's memory level in units (``memory_level``)."""
         return memory_level(self.name, self.ranks)
 
+    @property
+    def one_chunk(self) -> bool:
+        """Whether the name places one chunk per rank (zb-1p): its own orders, no V search."""
+        return schedule_info(self.name).layout is Layout.SINGLE
+
     @functools.cached_property
     def paper(self) -> Schedule:
         """The paper's order for the name."""
@@ -104,18 +109,18 @@ def _searched(level: Level, found: list) -> list:
     """zb-1p: the fastest of its one-chunk orders (``_fastest_zb``); a V name: the search at
     its level (adaptive.py)."""
     bound, paper = level.bound, level.paper
-    if level.name == "zb-1p":
+    if level.one_chunk:
         orders, how = _fastest_zb(paper, level.costs, level.memory, bound)
     else:
         result = search(level.ranks, level.microbatches, level.costs, bound, level.memory)
         orders, how = result.schedule.rank_actions, result.provenance
     return [(paper.with_actions(orders, memory_bound=bound,
-                                description=_description(level.name, how, bound)), how)]
+                                provenance=_chosen(level.name, how, bound)), how)]
 
 
 def _paper_order(level: Level, found: list) -> list:
     """The paper's order (the search has it among its candidates: a guard)."""
-    return [(level.paper, (level.paper.description,))]
+    return [(level.paper, level.paper.provenance.steps)]
 
 
 def _freeing_nothing(level: Level, found: list) -> list:
@@ -135,10 +140,10 @@ re-scheduled critical path first where that is faster."""
 
 
 @functools.lru_cache(maxsize=128)
-def _fastest_cached(level: Level) -> tuple[Schedule, tuple[str, ...]]:
+def _fastest_cached(level: Level) -> tuple[Schedule, tuple[Step, ...]]:
     """(schedule, provenance): the fastest ``ALSO_TRY`` answer and the steps that made it (its
-    description is rendered from them, ``_description``)."""
-    found: list[tuple[Schedule, tuple[str, ...]]] = []
+    provenance is ``_chosen``)."""
+    found: list[tuple[Schedule, tuple[Step, ...]]] = []
     for also in ALSO_TRY:
         if also.when(level, found):
             found.extend(also.run(level, found))
@@ -147,7 +152,7 @@ def _fastest_cached(level: Level) -> tuple[Schedule, tuple[str, ...]]:
         makespan = makespan_of(other[0], level.costs)
         if makespan < best_time - _EPS:
             best, best_time = other, makespan
-    if level.name == "zb-1p" or best is found[0]:  # the search re-scheduled its cool-down
+    if level.one_chunk or best is found[0]:  # the search re-scheduled its cool-down
         return best
     schedule = best[0]
     problem = Problem(schedule.placement, schedule.microbatches, level.costs, level.memory,
@@ -156,11 +161,12 @@ def _fastest_cached(level: Level) -> tuple[Schedule, tuple[str, ...]]:
     if tailed is None:
         return best
     orders, how = tailed
-    return best[0].with_actions(orders, description=_description(level.name, how, level.bound)), how
+    return best[0].with_actions(orders, provenance=_chosen(level.name, how, level.bound)), how
 
 
-def _description(name: str, provenance: tuple[str, ...], level: float) -> str:
-    return f"{name}: {describe(provenance)} (level {level:g} units)"
+def _chosen(name: str, provenance: tuple[Step, ...], level: float) -> Provenance:
+    """The steps, chosen by the name at its memory level."""
+    return Provenance(provenance, Chosen(name, "level", level))
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float):
@@ -173,10 +179,10 @@ def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float
     order faster, and it took three quarters of those builds' time (23.5 s, 6.2 s without)."""
     placement, m = paper.placement, paper.microbatches
     problem = Problem(placement, m, costs, memory, level)
-    starts = [("paper order", paper.rank_actions)]
+    starts = [(step("paper order"), paper.rank_actions)]
     for policy in _ZB_POLICIES:
         try:
-            starts.append((f"greedy ({policy.describe()})",
+            starts.append((step("greedy", policy=policy),
                            greedy_schedule(problem, policy).orders))
         except ScheduleError:
             continue

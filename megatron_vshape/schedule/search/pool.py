@@ -16,8 +16,10 @@ from typing import Callable
 from ..rewrite.replay import Replay
 from ..model.actions import ScheduleError
 from ..model.problem import Problem
+from ..model.provenance import Step, describe
 from ..model.schedule import Schedule
 from ..model.simulate import makespan_of, peak_memory
+from ..names import AUTO
 from .local import Improved
 from .settings import Settings
 
@@ -34,8 +36,9 @@ the same dataflow, rounded to 1e-9 by local.py, as ``candidate_key`` rounds it).
 class Candidate:
     """One order the search built, within the limit, with its peak (units) and makespan."""
 
-    provenance: tuple[str, ...]
-    """The steps that made it, first to last (``describe`` renders them; never parsed)."""
+    provenance: tuple[Step, ...]
+    """The steps that made it, first to last (model/provenance.py: data; ``describe`` renders
+    them for people)."""
     orders: tuple
     peak: float
     makespan: float
@@ -64,8 +67,8 @@ class Pool:
     settings: Settings
     """The tuning constants every step reads (settings.py)."""
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
-    smallest: list[tuple[float, str]] = dataclasses.field(default_factory=list)
-    """(peak, description) of every order built, within the limit or not."""
+    smallest: list[tuple[float, tuple[Step, ...]]] = dataclasses.field(default_factory=list)
+    """(peak, provenance) of every order built, within the limit or not."""
     skipped: list = dataclasses.field(default_factory=list)
     """(offsets, block) of the family blocks skipped unprobed (constructions.py)."""
     reshaped: set = dataclasses.field(default_factory=set)
@@ -77,7 +80,7 @@ class Pool:
     of the wave; 4-12 of about 30 candidates per search at p = 16, m = 64), and a timing
     takes 1.3 ms there."""
 
-    def consider(self, provenance: tuple[str, ...], build: Callable[[], tuple | Replay | Improved],
+    def consider(self, provenance: tuple[Step, ...], build: Callable[[], tuple | Replay | Improved],
                  replayable: bool = True) -> None:
         """Builds a candidate and keeps it when it fits the limit and its orders run; a
         construction that cannot be built (ScheduleError) adds nothing. A replay and the local
@@ -90,7 +93,7 @@ class Pool:
         timed = isinstance(built, TIMED)
         orders = built.orders if timed else built
         peak = self._peak(orders)
-        self.smallest.append((peak, describe(provenance)))
+        self.smallest.append((peak, provenance))
         if peak > self.problem.limit + _EPS:
             return
         makespan = built.makespan if timed else self._makespan(orders)
@@ -103,7 +106,7 @@ class Pool:
         """The peak of ``orders`` in units, once per distinct orders (``peaks``)."""
         if orders not in self.peaks:
             problem = self.problem
-            schedule = Schedule("auto", problem.placement, problem.microbatches, orders)
+            schedule = Schedule(AUTO, problem.placement, problem.microbatches, orders)
             self.peaks[orders] = max(peak_memory(schedule, problem.memory))
         return self.peaks[orders]
 
@@ -114,7 +117,7 @@ class Pool:
             problem = self.problem
             try:
                 self.makespans[orders] = makespan_of(
-                    Schedule("auto", problem.placement, problem.microbatches, orders),
+                    Schedule(AUTO, problem.placement, problem.microbatches, orders),
                     problem.costs)
             except ScheduleError:
                 self.makespans[orders] = None
@@ -123,11 +126,6 @@ class Pool:
     def fastest(self) -> Candidate:
         """The winner so far (``candidate_key``)."""
         return min(self.candidates, key=candidate_key)
-
-
-def describe(provenance: tuple[str, ...]) -> str:
-    """A provenance in words: its steps, first to last."""
-    return ", ".join(provenance)
 
 
 def candidate_key(candidate: Candidate) -> tuple:
