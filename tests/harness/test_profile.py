@@ -96,7 +96,7 @@ def test_committed_profiles_carry_their_provenance(path):
     words = shlex.split(profile.command)
     args = build_parser().parse_args(words[1:])
     assert words[:2] == ["vshape", "profile"]
-    assert args.output == f"megatron_vshape/configs/profiles/{path.name}"
+    assert args.output == f"configs/profiles/{path.name}"
     assert args.seq_length == profile.seq_length
     assert sorted(args.micro_batch_sizes) == sorted({m.micro_batch_size
                                                      for m in profile.measurements})
