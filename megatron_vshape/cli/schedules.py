@@ -35,7 +35,8 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
     costs = parser.add_mutually_exclusive_group()
     costs.add_argument("--costs", default="1,1,1,0",
                        help="F,B,W[,COMM]: pass times of one rank's whole layer share (each "
-                            "chunk takes its share), and one pipeline hop (default 1,1,1,0)")
+                            "chunk takes its share), and one pipeline hop: finite numbers, "
+                            "F, B, W > 0, COMM >= 0 (default 1,1,1,0)")
     costs.add_argument("--stage-costs", metavar="SPEC",
                        help="instead of --costs, pass times per global stage, where a rank's "
                             "chunks differ (rank 0's chunk 1 holds the LM head and loss): "

@@ -420,7 +420,7 @@ def test_stage_costs_inline_and_file_time_the_heavy_stage(tmp_path, capsys):
 
 @pytest.mark.parametrize("spec, said", [
     ("1,1,1/1,1,1/2,2,2", "gives 3 stages, the schedule has 4 (2 ranks x 2 chunks, v layout)"),
-    ("1,1,1/1,1,1/1,1,1/0,2,2", "every forward (F) time must be a positive number"),
+    ("1,1,1/1,1,1/1,1,1/0,2,2", "every forward (F) time must be a finite number > 0"),
     ("nothere.json", "cannot read the file"),
 ])
 def test_bad_stage_costs_are_one_line_naming_the_option_and_forms(spec, said, capsys,
