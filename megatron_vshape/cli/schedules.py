@@ -6,6 +6,7 @@ JSON object; ``compare --json`` and ``frontier --json`` one JSON object per line
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -24,14 +25,30 @@ from ..schedule.io.render_text import render_grid
 from ..schedule.io.torch_csv import to_torch_csv
 from .ui import add_progress_argument, progress, subcommand, working
 
-__all__ = ["register", "add_schedule_arguments", "schedule_costs", "memory_limit", "describe"]
+__all__ = ["register", "add_schedule_arguments", "schedule_costs", "memory_limit", "describe",
+           "check_size", "MAX_RANKS", "MAX_SIZE"]
+
+MAX_RANKS = 128
+MAX_SIZE = 16_384
+"""The largest schedules these commands take: ``--ranks`` at most ``MAX_RANKS`` and ``--ranks``
+x ``--microbatches`` at most ``MAX_SIZE``. Every pass (6 x p x m of them in a V) is built,
+searched, validated and simulated one at a time, and the search's constructions grow faster
+than that in p. Measured (``vshape search``, this project's CI-class CPU, one core, no other
+load but a shared machine's): p = 8 m = 2048, 16 x 1024, 32 x 512, 64 x 256, 128 x 128 each
+35-60 s, p = 2 m = 8192 20 s; beyond, p = 256 m = 16 70 s, 16 x 4096 83 s, 8 x 8192 100 s,
+128 x 512 160 s, 512 x 8 over 2 minutes, and p = 100000 never answered. Fixed orders are no
+escape: ``simulate --schedule 1f1b -p 20000 -m 8`` ran past a minute. Real pipelines are far
+inside (megatron's largest published PP is 16 to 64, a step rarely more than a few hundred
+microbatches). ``compare`` and ``frontier`` run 5 and up to 12 searches (with progress)."""
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
     if schedule:
         parser.add_argument("--schedule", required=True, choices=SCHEDULES, help="schedule name")
-    parser.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks (>= 2)")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches (>= 1)")
+    parser.add_argument("--ranks", "-p", type=int, required=True,
+                        help=f"pipeline ranks (2 to {MAX_RANKS})")
+    parser.add_argument("--microbatches", "-m", type=int, required=True,
+                        help=f"microbatches (>= 1; ranks x microbatches <= {MAX_SIZE})")
     costs = parser.add_mutually_exclusive_group()
     costs.add_argument("--costs", default="1,1,1,0",
                        help="F,B,W[,COMM]: pass times of one rank's whole layer share (each "
@@ -56,6 +73,33 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
     parser.add_argument("--activation-bytes",
                         help="bytes of one microbatch's activations of one rank's layer share "
                              "(e.g. 1.5GiB), for a --memory-limit in bytes")
+
+
+def check_size(args) -> None:
+    """Before any work: ``--ranks`` >= 2, ``--microbatches`` >= 1, and the schedule no larger
+    than the commands answer in about a minute (``MAX_RANKS``, ``MAX_SIZE``)."""
+    ranks, microbatches = args.ranks, args.microbatches
+    if ranks < 2:
+        raise ScheduleError(f"--ranks must be >= 2, got {ranks}: with one rank there is no "
+                            "pipeline")
+    if microbatches < 1:
+        raise ScheduleError(f"--microbatches must be >= 1, got {microbatches}")
+    if ranks > MAX_RANKS or ranks * microbatches > MAX_SIZE:
+        raise ScheduleError(
+            f"--ranks {ranks} --microbatches {microbatches} is too large: these commands take "
+            f"--ranks up to {MAX_RANKS} and --ranks x --microbatches up to {MAX_SIZE:,} (here "
+            f"{ranks * microbatches:,}), where a search still answers in about a minute; every "
+            f"pass (6 x ranks x microbatches) is built, searched and simulated one at a time, "
+            f"and p = 512, m = 8 already takes minutes")
+
+
+def _sized(handler):
+    """``handler`` after :func:`check_size`."""
+    @functools.wraps(handler)
+    def checked(args) -> int:
+        check_size(args)
+        return handler(args)
+    return checked
 
 
 def schedule_costs(name: str, args) -> Costs:
@@ -121,7 +165,7 @@ def register(sub) -> None:
     add_schedule_arguments(sim)
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     _add_verbose(sim)
-    sim.set_defaults(handler=_simulate)
+    sim.set_defaults(handler=_sized(_simulate))
     ren = subcommand(
         sub, "render", help="draw a schedule's timeline",
         description="Draw one schedule's simulated timeline, one row per rank: text (.txt), "
@@ -130,7 +174,7 @@ def register(sub) -> None:
                   "vshape render --schedule auto -p 8 -m 32 --memory-limit 0.5 -o auto.png"])
     add_schedule_arguments(ren)
     ren.add_argument("--output", "-o", required=True, help="FILE.txt, FILE.svg or FILE.png")
-    ren.set_defaults(handler=_render)
+    ren.set_defaults(handler=_sized(_render))
     exp = subcommand(
         sub, "export", help="write a schedule as torch.distributed.pipelining CSV",
         description="Write one schedule in the CSV format torch.distributed.pipelining's "
@@ -141,7 +185,7 @@ def register(sub) -> None:
     add_schedule_arguments(exp)
     exp.add_argument("--format", choices=["torch-csv"], default="torch-csv")
     exp.add_argument("--output", "-o", help="file (default: standard output)")
-    exp.set_defaults(handler=_export)
+    exp.set_defaults(handler=_sized(_export))
     cmp_ = subcommand(
         sub, "compare", help="memory, bubble and makespan of every schedule",
         description="Simulate every schedule (%s) for the same ranks, microbatches and costs, "
@@ -155,7 +199,7 @@ def register(sub) -> None:
                       help="also draw peak memory and bubble rate of every schedule as bars "
                            "(needs matplotlib)")
     add_progress_argument(cmp_)
-    cmp_.set_defaults(handler=_compare)
+    cmp_.set_defaults(handler=_sized(_compare))
     sea = subcommand(
         sub, "search", help="the fastest V schedule under a memory limit (auto)",
         description="Search the fastest V-shape schedule whose peak activation memory stays "
@@ -170,7 +214,7 @@ def register(sub) -> None:
     sea.add_argument("--json", action="store_true", help="print one JSON object")
     _add_verbose(sea)
     add_progress_argument(sea)
-    sea.set_defaults(handler=_search)
+    sea.set_defaults(handler=_sized(_search))
     fro = subcommand(
         sub, "frontier", help="Pareto frontier of peak memory vs bubble rate",
         description="Search the fastest V-shape schedule at memory limits from V-Min's to "
@@ -183,7 +227,7 @@ def register(sub) -> None:
     fro.add_argument("--output", "-o", help="plot the frontier to FILE.png (needs matplotlib)")
     _add_verbose(fro)
     add_progress_argument(fro)
-    fro.set_defaults(handler=_frontier)
+    fro.set_defaults(handler=_sized(_frontier))
 
 
 def _add_verbose(parser: argparse.ArgumentParser) -> None:

@@ -233,6 +233,10 @@ class MemoryModel:
     weight: float = -1.0
 
     def __post_init__(self) -> None:
+        values = (self.forward, self.backward, self.weight)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+            raise ScheduleError(f"memory: forward, backward and weight deltas must be finite "
+                                f"numbers, got {', '.join(map(repr, values))}")
         if self.forward <= 0:
             raise ScheduleError(f"memory: forward delta must be > 0, got {self.forward}")
         if abs(self.forward + self.backward + self.weight) > 1e-9:
@@ -260,4 +264,7 @@ def parse_memory_model(text: str) -> MemoryModel:
         values = [float(p) for p in parts]
     except ValueError:
         raise ScheduleError(f"--memory-model must be numbers, got {text!r}") from None
-    return MemoryModel(*values)
+    try:
+        return MemoryModel(*values)
+    except ScheduleError as err:
+        raise ScheduleError(f"--memory-model {text!r}: {err}") from None
