@@ -28,6 +28,7 @@ everywhere (a NaN on one rank makes the mean NaN on all).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -106,11 +107,15 @@ class Replanner:
         its own weight in the search. None, on every rank alike, where the agreed costs are
         not times (:meth:`agreed_costs`): keep the schedule running."""
         placement = schedule.placement
-        local = profile.gather_costs(placement, rank, group=pp_group).stage_times(placement)
+        try:
+            local = [t[k] for k in range(3) for t in profile.gather_costs(
+                placement, rank, group=pp_group).stage_times(placement)]
+        except ScheduleError as err:  # not times: NaN makes the mean fall back on every rank
+            log.warning("[vshape] pipeline rank %d measured %s", rank, err)
+            local = [math.nan] * (3 * placement.num_stages)
         comm = measure_hop_latency(groups, spec.shape, spec.dtype, spec.wire_device)
         device = spec.wire_device  # gloo with CUDA ranks (one shared GPU): reduce on the host
-        values = torch.tensor([t[k] for k in range(3) for t in local], dtype=torch.float64,
-                              device=device)
+        values = torch.tensor(local, dtype=torch.float64, device=device)
         dist.all_reduce(values)
         values /= dist.get_world_size()  # every rank holds its pipeline's costs: the mean
         s = placement.num_stages
