@@ -15,6 +15,8 @@ from ..schedule import (SCHEDULES, VARIANTS, Schedule, ScheduleError, SimResult,
                         parse_costs, parse_memory_model, simulate, validate)
 from ..schedule.model.costs import Costs
 from ..schedule.model.placement import Placement
+from ..schedule.model.size import MAX_RANKS, MAX_SIZE
+from ..schedule.model.size import check_size as check_schedule_size
 from ..schedule.model.stage_costs import STAGE_COSTS_FORM, parse_stage_costs
 from ..schedule.names import MEGATRON_OWN_SCHEDULES, MEMORY_LEVELS, schedule_info
 from ..schedule.search.bounds import makespan_floor
@@ -26,21 +28,7 @@ from ..schedule.io.torch_csv import to_torch_csv
 from .ui import add_progress_argument, progress, subcommand, working
 
 __all__ = ["register", "add_schedule_arguments", "schedule_costs", "memory_limit", "describe",
-           "check_size", "MAX_RANKS", "MAX_SIZE"]
-
-MAX_RANKS = 128
-MAX_SIZE = 16_384
-"""The largest schedules these commands take: ``--ranks`` at most ``MAX_RANKS`` and ``--ranks``
-x ``--microbatches`` at most ``MAX_SIZE``. Every pass (6 x p x m of them in a V) is built,
-searched, validated and simulated one at a time, and the search's constructions grow faster
-than that in p. Measured (``vshape search``, this project's CI-class CPU, one core, no other
-load but a shared machine's): p = 8 m = 2048, 16 x 1024, 32 x 512, 64 x 256, 128 x 128 each
-35-60 s, p = 2 m = 8192 20 s; beyond, p = 256 m = 16 70 s, 16 x 4096 83 s, 8 x 8192 100 s,
-128 x 512 160 s, 512 x 8 over 2 minutes, and p = 100000 never answered. Fixed orders are no
-escape: ``simulate --schedule 1f1b -p 20000 -m 8`` ran past a minute. Real pipelines are far
-inside (megatron's largest published PP is 16 to 64, a step rarely more than a few hundred
-microbatches). ``compare`` and ``frontier`` run 5 and up to 12 searches (with progress)."""
-
+           "check_size"]
 
 def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
     if schedule:
@@ -76,21 +64,9 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
 
 
 def check_size(args) -> None:
-    """Before any work: ``--ranks`` >= 2, ``--microbatches`` >= 1, and the schedule no larger
-    than the commands answer in about a minute (``MAX_RANKS``, ``MAX_SIZE``)."""
-    ranks, microbatches = args.ranks, args.microbatches
-    if ranks < 2:
-        raise ScheduleError(f"--ranks must be >= 2, got {ranks}: with one rank there is no "
-                            "pipeline")
-    if microbatches < 1:
-        raise ScheduleError(f"--microbatches must be >= 1, got {microbatches}")
-    if ranks > MAX_RANKS or ranks * microbatches > MAX_SIZE:
-        raise ScheduleError(
-            f"--ranks {ranks} --microbatches {microbatches} is too large: these commands take "
-            f"--ranks up to {MAX_RANKS} and --ranks x --microbatches up to {MAX_SIZE:,} (here "
-            f"{ranks * microbatches:,}), where a search still answers in about a minute; every "
-            f"pass (6 x ranks x microbatches) is built, searched and simulated one at a time, "
-            f"and p = 512, m = 8 already takes minutes")
+    """Before any work: the schedule's size (``schedule/model/size.py``: at least a pipeline,
+    no larger than the commands answer in about a minute)."""
+    check_schedule_size(args.ranks, args.microbatches)
 
 
 def _sized(handler):

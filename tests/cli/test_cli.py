@@ -465,8 +465,8 @@ def _no_work(*args, **kwargs):
 @pytest.mark.parametrize("argv, said", [
     # the schedule's size: -p 100000 -m 8 ran past two minutes; refused before any work
     (["search", "-p", "100000", "-m", "8"], "--ranks 100000 --microbatches 8 is too large: "
-     "these commands take --ranks up to 128 and --ranks x --microbatches up to 16,384"),
-    (["search", "-p", "129", "-m", "8"], "--ranks up to 128"),
+     "at most --ranks 128 and --ranks x --microbatches 16,384 (here 800,000)"),
+    (["search", "-p", "129", "-m", "8"], "at most --ranks 128"),
     (["frontier", "-p", "8", "-m", "2049"], "(here 16,392)"),
     (["compare", "-p", "16", "-m", "1025"], "is too large"),
     (["simulate", "--schedule", "1f1b", "-p", "20000", "-m", "8"], "is too large"),
@@ -509,11 +509,11 @@ def test_bad_input_is_one_line_naming_the_setting_before_any_work(argv, said, ca
 
 
 def test_the_size_bound_lets_the_largest_measured_sizes_through(capsys):
-    """The bound's corners (p = 128 with m = 128, p = 2 with m = 8192) are accepted: the check
-    passes them on (a fixed order here, to stay fast)."""
-    from megatron_vshape.cli.schedules import MAX_RANKS, MAX_SIZE, check_size
+    """The bound's corners (p = 128 with m = 128, p = 2 with m = 8192) are accepted, and a
+    command runs at the bound (a fixed order here, to stay fast)."""
+    from megatron_vshape.schedule.model.size import MAX_RANKS, MAX_SIZE, check_size
 
     for ranks, microbatches in ((MAX_RANKS, MAX_SIZE // MAX_RANKS), (2, MAX_SIZE // 2)):
-        check_size(argparse.Namespace(ranks=ranks, microbatches=microbatches))
+        check_size(ranks, microbatches)
     assert main(["simulate", "--schedule", "1f1b", "-p", "8", "-m", "2048", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["microbatches"] == 2048
