@@ -27,6 +27,9 @@ MEGATRON = [MEGATRON_CORE, "psutil", "matplotlib"]
 # beyond megatron-core.
 MEGATRON_LM_EXTRAS = ["einops", "regex", "six", "pydantic"]
 
+BUNDLED = "megatron_vshape.configs.bundled"
+"""The data-only package the top-level configs/ becomes in a wheel (megatron_vshape.configs)."""
+
 setup(
     name="megatron-vshape",
     version=VERSION,
@@ -48,9 +51,19 @@ setup(
         "Programming Language :: Python :: 3.11",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    packages=find_packages(include=["megatron_vshape", "megatron_vshape.*"]),
-    # The bundled model, grid and profile files (vshape plan --model gpt-9.6b, ...).
-    package_data={"megatron_vshape.configs": ["*/*.yaml", "*/README.md"]},
+    # The bundled model, grid and profile files (vshape plan --model gpt-9.6b, ...) live at the
+    # top level, configs/, where users read and edit them. package_dir maps that folder to a
+    # data-only package inside ours, so every wheel carries it as
+    # megatron_vshape/configs/bundled/ and megatron_vshape.configs finds it beside itself from
+    # any folder (in a checkout it reads configs/ directly). This is setuptools' own declarative
+    # mapping (package_dir + package_data, read from the mapped folder), so the sdist and the
+    # wheel both follow it; the alternatives each cost more: data_files installs outside the
+    # package to a prefix the code cannot find reliably (and setuptools discourages it), a
+    # custom build_py that copies the folder is code to keep working across setuptools
+    # releases, and a symlink inside the package breaks on checkouts without symlinks.
+    packages=[*find_packages(include=["megatron_vshape", "megatron_vshape.*"]), BUNDLED],
+    package_dir={BUNDLED: "configs"},
+    package_data={BUNDLED: ["*/*.yaml", "*/README.md"]},
     python_requires=">=3.10",
     # the schedule core itself is standard library only; tqdm (pure Python, no dependencies)
     # draws the CLI's progress bars

@@ -24,7 +24,7 @@ __all__ = ["register"]
 
 _PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 _PAPER_GRIDS = ("gpt-9.6b", "gpt-21b", "gpt-38.5b", "gpt-98.5b")
-"""The paper's four models on their GPU counts: bundled grids (megatron_vshape/configs/grid/)."""
+"""The paper's four models on their GPU counts: bundled grids (configs/grid/)."""
 _MAX_ARRAY = 1000
 """Array task ids a default slurm accepts (MaxArraySize 1001 allows 0..1000; we split at 1000)."""
 
@@ -41,7 +41,7 @@ def register(sub) -> None:
         examples=["vshape grid gpt-9.6b --dry-run",
                   "vshape grid gpt-9.6b --format slurm --prune -o runs/gpt-9.6b"])
     grid.add_argument("grid", metavar="GRID", help="a bundled grid's name (%s) or a grid file's "
-                      "path (schema: megatron_vshape/configs/grid/README.md)"
+                      "path (schema: configs/grid/README.md)"
                       % ", ".join(config_names("grid")))
     grid.add_argument("--output-dir", "-o",
                       help="where commands.txt, points.csv (and grid.sbatch) go "
@@ -89,7 +89,7 @@ def register(sub) -> None:
                        help="search auto at the K best points (default %(default)s)")
     paper.add_argument("--profiles", metavar="DIR",
                        help="where gpu-check's cuda-<model>-s<S>.yaml profiles are looked for "
-                            "(default: the bundled megatron_vshape/configs/profiles); a case "
+                            "(default: the bundled configs/profiles); a case "
                             "with one gets a calibrated column")
     paper.add_argument("--output", "-o", default="docs/paper-reproduction.md",
                        help="the markdown file to write (default %(default)s)")

@@ -5,7 +5,7 @@ sequence length 1024 and 3072, one profile file ``cuda-<model>-s<S>.yaml`` with 
 TP 1, 2, 4, 8 (a TP shard's layer on one GPU, :func:`..harness.profiling.shard`), each file
 recording the ``vshape profile`` command that measures it again and the machine. All shapes are
 measured in one spawned process, smallest model first, until the time budget is spent: a
-lent GPU's minutes are few. Commit the files into megatron_vshape/configs/profiles/.
+lent GPU's minutes are few. Commit the files into configs/profiles/.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def paper_requests(device: str = "cuda") -> list[tuple]:
                                       no_head=False)
             # the command names the file where it is committed (docs/gpu-check.md)
             command = profile_command(args, seq, (1,), _LAYERS, device,
-                                      f"megatron_vshape/configs/profiles/{file}",
+                                      f"configs/profiles/{file}",
                                       TENSOR_PARALLEL)
             request = ProfileRequest(model, seq, (1,), _LAYERS, _ITERS, _WARMUP, device,
                                      None if device == "cuda" else 1, True, TENSOR_PARALLEL)

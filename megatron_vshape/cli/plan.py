@@ -151,7 +151,8 @@ def _configs(args):
     except ValueError as err:
         raise ValueError(f"--model: {err}") from None
     training = TrainingConfig(
-        seq_length=args.seq_length or model.seq_length, global_batch=args.global_batch,
+        seq_length=model.seq_length if args.seq_length is None else args.seq_length,
+        global_batch=args.global_batch,
         precision=args.precision, fp8=args.fp8, context_parallel=args.cp,
         flash_attention=not args.no_flash_attention,
         sequence_parallel=not args.no_sequence_parallel,

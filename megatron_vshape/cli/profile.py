@@ -91,7 +91,7 @@ def _profile(args) -> int:
         raise ValueError(f"--layers {layers}: the model has {model.num_layers} layers; "
                          f"use --layers {model.num_layers} or fewer")
     device = default_device() if args.device == "auto" else args.device
-    seq_length = args.seq_length or model.seq_length
+    seq_length = model.seq_length if args.seq_length is None else args.seq_length
     sizes = tuple(sorted(set(args.micro_batch_sizes)))
     output = args.output or f"{device}-{model.name}.yaml"
     tps = tuple(sorted(set(args.tensor_parallel)))

@@ -6,6 +6,7 @@ JSON object; ``compare --json`` and ``frontier --json`` one JSON object per line
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from ..schedule import (SCHEDULES, VARIANTS, Schedule, ScheduleError, SimResult,
                         parse_costs, parse_memory_model, simulate, validate)
 from ..schedule.model.costs import Costs
 from ..schedule.model.placement import Placement
+from ..schedule.model.size import MAX_RANKS, MAX_SIZE
+from ..schedule.model.size import check_size as check_schedule_size
 from ..schedule.model.stage_costs import STAGE_COSTS_FORM, parse_stage_costs
 from ..schedule.names import AUTO, MEGATRON_OWN_SCHEDULES, MEMORY_LEVELS, REFERENCE, schedule_info
 from ..schedule.search.bounds import makespan_floor
@@ -24,18 +27,21 @@ from ..schedule.io.render_text import render_grid
 from ..schedule.io.torch_csv import to_torch_csv
 from .ui import add_progress_argument, progress, subcommand, working
 
-__all__ = ["register", "add_schedule_arguments", "schedule_costs", "memory_limit", "describe"]
-
+__all__ = ["register", "add_schedule_arguments", "schedule_costs", "memory_limit", "describe",
+           "check_size"]
 
 def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
     if schedule:
         parser.add_argument("--schedule", required=True, choices=SCHEDULES, help="schedule name")
-    parser.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks (>= 2)")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches (>= 1)")
+    parser.add_argument("--ranks", "-p", type=int, required=True,
+                        help=f"pipeline ranks (2 to {MAX_RANKS})")
+    parser.add_argument("--microbatches", "-m", type=int, required=True,
+                        help=f"microbatches (>= 1; ranks x microbatches <= {MAX_SIZE})")
     costs = parser.add_mutually_exclusive_group()
     costs.add_argument("--costs", default="1,1,1,0",
                        help="F,B,W[,COMM]: pass times of one rank's whole layer share (each "
-                            "chunk takes its share), and one pipeline hop (default 1,1,1,0)")
+                            "chunk takes its share), and one pipeline hop: finite numbers, "
+                            "F, B, W > 0, COMM >= 0 (default 1,1,1,0)")
     costs.add_argument("--stage-costs", metavar="SPEC",
                        help="instead of --costs, pass times per global stage, where a rank's "
                             "chunks differ (rank 0's chunk 1 holds the LM head and loss): "
@@ -55,6 +61,21 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
     parser.add_argument("--activation-bytes",
                         help="bytes of one microbatch's activations of one rank's layer share "
                              "(e.g. 1.5GiB), for a --memory-limit in bytes")
+
+
+def check_size(args) -> None:
+    """Before any work: the schedule's size (``schedule/model/size.py``: at least a pipeline,
+    no larger than the commands answer in about a minute)."""
+    check_schedule_size(args.ranks, args.microbatches)
+
+
+def _sized(handler):
+    """``handler`` after :func:`check_size`."""
+    @functools.wraps(handler)
+    def checked(args) -> int:
+        check_size(args)
+        return handler(args)
+    return checked
 
 
 def schedule_costs(name: str, args) -> Costs:
@@ -120,7 +141,7 @@ def register(sub) -> None:
     add_schedule_arguments(sim)
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     _add_verbose(sim)
-    sim.set_defaults(handler=_simulate)
+    sim.set_defaults(handler=_sized(_simulate))
     ren = subcommand(
         sub, "render", help="draw a schedule's timeline",
         description="Draw one schedule's simulated timeline, one row per rank: text (.txt), "
@@ -129,7 +150,7 @@ def register(sub) -> None:
                   "vshape render --schedule auto -p 8 -m 32 --memory-limit 0.5 -o auto.png"])
     add_schedule_arguments(ren)
     ren.add_argument("--output", "-o", required=True, help="FILE.txt, FILE.svg or FILE.png")
-    ren.set_defaults(handler=_render)
+    ren.set_defaults(handler=_sized(_render))
     exp = subcommand(
         sub, "export", help="write a schedule as torch.distributed.pipelining CSV",
         description="Write one schedule in the CSV format torch.distributed.pipelining's "
@@ -140,7 +161,7 @@ def register(sub) -> None:
     add_schedule_arguments(exp)
     exp.add_argument("--format", choices=["torch-csv"], default="torch-csv")
     exp.add_argument("--output", "-o", help="file (default: standard output)")
-    exp.set_defaults(handler=_export)
+    exp.set_defaults(handler=_sized(_export))
     cmp_ = subcommand(
         sub, "compare", help="memory, bubble and makespan of every schedule",
         description="Simulate every schedule (%s) for the same ranks, microbatches and costs, "
@@ -154,7 +175,7 @@ def register(sub) -> None:
                       help="also draw peak memory and bubble rate of every schedule as bars "
                            "(needs matplotlib)")
     add_progress_argument(cmp_)
-    cmp_.set_defaults(handler=_compare)
+    cmp_.set_defaults(handler=_sized(_compare))
     sea = subcommand(
         sub, "search", help="the fastest V schedule under a memory limit (auto)",
         description="Search the fastest V-shape schedule whose peak activation memory stays "
@@ -169,7 +190,7 @@ def register(sub) -> None:
     sea.add_argument("--json", action="store_true", help="print one JSON object")
     _add_verbose(sea)
     add_progress_argument(sea)
-    sea.set_defaults(handler=_search)
+    sea.set_defaults(handler=_sized(_search))
     fro = subcommand(
         sub, "frontier", help="Pareto frontier of peak memory vs bubble rate",
         description="Search the fastest V-shape schedule at memory limits from V-Min's to "
@@ -182,7 +203,7 @@ def register(sub) -> None:
     fro.add_argument("--output", "-o", help="plot the frontier to FILE.png (needs matplotlib)")
     _add_verbose(fro)
     add_progress_argument(fro)
-    fro.set_defaults(handler=_frontier)
+    fro.set_defaults(handler=_sized(_frontier))
 
 
 def _add_verbose(parser: argparse.ArgumentParser) -> None:

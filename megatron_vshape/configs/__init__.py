@@ -1,12 +1,15 @@
 """The model, grid and profile files that ship with megatron-vshape, found by name or by path.
 
-    models/NAME.yaml     a GPT's shape: vshape plan | profile | demo --model NAME, a grid's model
-    grid/NAME.yaml       a grid search: vshape grid NAME, vshape paper NAME ...
-    profiles/NAME.yaml   measured per-layer costs: vshape plan --profile NAME
+    configs/models/NAME.yaml     a GPT's shape: vshape plan | profile | demo --model NAME, a grid's
+                                 model
+    configs/grid/NAME.yaml       a grid search: vshape grid NAME, vshape paper NAME ...
+    configs/profiles/NAME.yaml   measured per-layer costs: vshape plan --profile NAME
 
-They are package data, so a bare name works from any folder, in a checkout and in an installed
-wheel alike. :func:`find_config` is the one lookup: an existing file is taken as it is; a bare
-name (no folder; ``.yaml`` optional) is looked up here; anything else is a ``ValueError`` that
+They live at the repository's top level (``configs/``), where users read and edit them. A wheel
+carries the same folder as package data, ``megatron_vshape/configs/bundled/`` (setup.py maps it
+there), so a bare name works from any folder, in a checkout and in an installed wheel alike.
+:func:`find_config` is the one lookup: an existing file is taken as it is; a bare name (no folder;
+``.yaml`` optional) is looked up in :data:`CONFIG_DIR`; anything else is a ``ValueError`` that
 lists the names there are.
 """
 from __future__ import annotations
@@ -15,7 +18,13 @@ from pathlib import Path
 
 __all__ = ["CONFIG_DIR", "KINDS", "config_names", "find_config"]
 
-CONFIG_DIR = Path(__file__).resolve().parent
+_HERE = Path(__file__).resolve().parent
+_INSTALLED = _HERE / "bundled"
+"""Where a wheel's build puts the top-level configs/ (setup.py's ``package_dir``)."""
+_CHECKOUT = _HERE.parents[1] / "configs"
+"""The repository's own folder, for a checkout or an editable install (nothing is copied).
+Looked at second: beside an installed package, ``site-packages/configs`` may be anyone's."""
+CONFIG_DIR = _INSTALLED if _INSTALLED.is_dir() else _CHECKOUT
 """Where the bundled files lie: one folder per kind."""
 KINDS = {"models": "model config", "grid": "grid file", "profiles": "profile"}
 """Each kind's folder and what an error calls one of its files."""

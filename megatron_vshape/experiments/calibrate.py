@@ -1,7 +1,7 @@
 """The paper's predictions calibrated: the planner with measured per-layer costs.
 
 ``vshape gpu-check`` on a GPU writes ``cuda-<model>-s<S>.yaml`` (per-layer F, B, W of a TP
-shard at TP 1, 2, 4, 8; committed into megatron_vshape/configs/profiles/). Where such a file
+shard at TP 1, 2, 4, 8; committed into configs/profiles/). Where such a file
 exists for a paper case, ``vshape paper`` plans the case again from it and adds a section to
 docs/paper-reproduction.md: the predicted and the calibrated best 1F1B and best V side by side,
 and how far the shape cost model (plan/layer_kernels.py) was from the measured layer time at
@@ -97,7 +97,7 @@ def render_calibrated(calibrations: list[Calibration]) -> list[str]:
         return []
     lines = ["", "## Calibrated with measured per-layer costs", "",
              "Where `vshape gpu-check` measured the model's layers on a GPU "
-             f"(`megatron_vshape/configs/profiles/cuda-<model>-s<S>.yaml`), the same case planned "
+             f"(`configs/profiles/cuda-<model>-s<S>.yaml`), the same case planned "
              "from measured F, B, W (predicted | calibrated). `measured / predicted`: one layer's "
              "F + B + W at micro batch 1, per TP, against the shape cost model's and the "
              "one-MFU model's prediction of the very layers timed (megatron's local layers: "

@@ -208,6 +208,9 @@ def find_logs(paths) -> list[Path]:
             found += sorted(path.rglob("*.log"))
         elif path.is_file():
             found.append(path)
+        elif path.exists():
+            raise ValueError(f"log path {str(path)!r} is neither a file nor a folder of *.log "
+                             "files")
         else:
             raise ValueError(f"log path {str(path)!r} does not exist")
     return found

@@ -224,8 +224,11 @@ class VShapeForwardBackward:
     def _replan(self, schedule, pg, spec) -> None:
         """Re-plan from what the profiled iterations measured (same on every rank)."""
         groups = self._stream_groups(schedule, pg)
-        self.costs = self.replanner.measured(self.profile, schedule, pg.pp.rank(), pg.pp,
-                                             groups, spec)
+        costs = self.replanner.measured(self.profile, schedule, pg.pp.rank(), pg.pp, groups,
+                                        spec)
+        if costs is None:  # not times (logged): keep what runs, on every rank alike
+            return
+        self.costs = costs
         self._schedules.clear()
         self._runners.clear()
         self._relearn_ddp = True

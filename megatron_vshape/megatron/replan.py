@@ -17,10 +17,18 @@ Every rank must end with the same schedule: data-parallel replicas issue their g
 reductions in W order, so different orders would mismatch collectives. Hence the measured
 values are averaged (costs) or maxed (memory) over the whole world before searching, and the
 search is deterministic.
+
+Measured costs that are not times (NaN, infinite, zero or negative: a timer that failed, a
+pass that never ran) do not re-plan: the run keeps the schedule it has been training with and
+logs why, once. A user expects the training to go on (the provisional schedule is correct,
+only perhaps slower) rather than stop hours in, or a search fed NaN to pick an arbitrary
+order. Every rank decides alike: the costs it checks are the all-reduced ones, the same
+everywhere (a NaN on one rank makes the mean NaN on all).
 """
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +36,7 @@ import torch.distributed as dist
 
 from ..runtime.memory import ActivationTracker, backward_leftover
 from ..runtime.profile import PassProfile, measure_hop_latency
+from ..schedule.model.actions import ScheduleError
 from ..schedule.model.costs import Costs, MemoryModel
 from ..schedule.model.limits import MemoryLimit
 from ..schedule.model.schedule import Schedule
@@ -92,28 +101,47 @@ class Replanner:
         return self.steps >= self.after
 
     def measured(self, profile: PassProfile, schedule: Schedule, rank: int, pp_group, groups,
-                 spec) -> Costs:
+                 spec) -> Costs | None:
         """Agree on per-stage costs (and bytes per unit) over every rank (collective over the
         world): each stage's F, B and W apart, so rank 0's chunk 1 (LM head and loss) keeps
-        its own weight in the search."""
+        its own weight in the search. None, on every rank alike, where the agreed costs are
+        not times (:meth:`agreed_costs`): keep the schedule running."""
         placement = schedule.placement
-        local = profile.gather_costs(placement, rank, group=pp_group).stage_times(placement)
+        try:
+            local = [t[k] for k in range(3) for t in profile.gather_costs(
+                placement, rank, group=pp_group).stage_times(placement)]
+        except ScheduleError as err:  # not times: NaN makes the mean fall back on every rank
+            log.warning("[vshape] pipeline rank %d measured %s", rank, err)
+            local = [math.nan] * (3 * placement.num_stages)
         comm = measure_hop_latency(groups, spec.shape, spec.dtype, spec.wire_device)
         device = spec.wire_device  # gloo with CUDA ranks (one shared GPU): reduce on the host
-        values = torch.tensor([t[k] for k in range(3) for t in local], dtype=torch.float64,
-                              device=device)
+        values = torch.tensor(local, dtype=torch.float64, device=device)
         dist.all_reduce(values)
         values /= dist.get_world_size()  # every rank holds its pipeline's costs: the mean
         s = placement.num_stages
         f, b, w = (values[i * s:(i + 1) * s].tolist() for i in range(3))
+        self.done = True
+        costs = self.agreed_costs(placement, f, b, w, comm)
+        if costs is None:
+            return None
         if self._peaks:
             per_unit = max(peak / units for peak, units in self._peaks if units > 0)
             top = torch.tensor([per_unit], dtype=torch.float64, device=device)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
             self.activation_bytes = float(top[0])
         self.memory = self._agreed_memory(device)
-        self.done = True
-        return Costs.for_stages(placement, f, b, w, comm=comm)
+        return costs
+
+    @staticmethod
+    def agreed_costs(placement, forward, backward, weight, comm) -> Costs | None:
+        """The measured per-stage costs, or None with a logged warning when any of them is not
+        a time (the one check, :func:`..schedule.model.costs.pass_time`, in ``Costs``)."""
+        try:
+            return Costs.for_stages(placement, forward, backward, weight, comm=comm)
+        except ScheduleError as err:
+            log.warning("[vshape] not re-planning: the measured %s; keeping the schedule "
+                        "trained with so far", err)
+            return None
 
     def _agreed_memory(self, device) -> MemoryModel | None:
         """The memory model every rank uses: the largest leftover any rank measured (what

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ..schedule.model.size import MAX_SIZE, too_large
 from ..schedule.names import SCHEDULES, schedule_info
 from .model import ModelConfig
 from .recompute import RECOMPUTE
@@ -164,6 +165,10 @@ def grid_points(model: ModelConfig, training: TrainingConfig, cluster: ClusterCo
                     if training.global_batch % (dp * b):
                         skipped["global batch not divisible by DP x micro batch size"] += 1
                         continue
-                    points.append(GridPoint(dp, tp, pp, b, training.global_batch // (dp * b),
-                                            ep))
+                    microbatches = training.global_batch // (dp * b)
+                    if pp > 1 and too_large(pp, microbatches):
+                        skipped[f"PP x microbatches over {MAX_SIZE:,}, too large to schedule "
+                                f"in about a minute"] += 1
+                        continue
+                    points.append(GridPoint(dp, tp, pp, b, microbatches, ep))
     return points, skipped

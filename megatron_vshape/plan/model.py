@@ -166,6 +166,19 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+_TYPE_WORDS = {"int": "a whole number", "int | None": "a whole number or null",
+               "bool": "true or false", "str": "text"}
+"""ModelConfig's field types in a user's words (a YAML key's value is checked against them)."""
+
+
+def _of_type(annotation: str, value) -> bool:
+    if value is None:
+        return annotation.endswith("| None")
+    if annotation.startswith("int"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, {"bool": bool, "str": str}[annotation])
+
+
 def load_model_config(path: str | Path) -> ModelConfig:
     """Read a model YAML: a path, or a bundled model's bare name (``gpt-9.6b``: the package's
     configs/models/NAME.yaml, :func:`megatron_vshape.configs.find_config`); unknown keys are an
@@ -173,13 +186,29 @@ def load_model_config(path: str | Path) -> ModelConfig:
     import yaml
 
     path = find_config("models", path)
-    data = yaml.safe_load(path.read_text()) or {}
+    where = f"model config {str(path)!r}"
+    fields = dataclasses.fields(ModelConfig)
+    valid = {f.name for f in fields}
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.name != "name"]
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{where} is not YAML ({' '.join(str(err).split())})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"model config {str(path)!r} must be a mapping of ModelConfig fields")
-    valid = {f.name for f in dataclasses.fields(ModelConfig)}
+        raise ValueError(f"{where} must be a mapping of ModelConfig fields, got "
+                         f"{'an empty file' if data is None else type(data).__name__}; "
+                         f"required: {', '.join(required)}")
     unknown = sorted(set(data) - valid)
     if unknown:
-        raise ValueError(f"model config {str(path)!r}: unknown keys {unknown}; valid keys: "
+        raise ValueError(f"{where}: unknown keys {unknown}; valid keys: "
                          f"{', '.join(sorted(valid))}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ValueError(f"{where}: missing required keys {missing} (required: "
+                         f"{', '.join(required)})")
+    types = {f.name: f.type for f in fields}  # text: this module's annotations are postponed
+    for key, value in data.items():
+        if not _of_type(types[key], value):
+            raise ValueError(f"{where}: {key} must be {_TYPE_WORDS[types[key]]}, got {value!r}")
     data.setdefault("name", path.stem)
     return ModelConfig(**data)

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..configs import find_config
-from ..schedule.model.costs import MemoryModel
+from ..schedule.model.costs import MemoryModel, pass_time
 from .cost import PartTimes, PassTimes
 
 __all__ = ["Machine", "Measurement", "MeasuredProfile", "load_profile", "format_profile"]
@@ -191,10 +191,10 @@ def _passes(data, where: str, need_weight: bool) -> PassTimes:
     if unknown or missing:
         raise ValueError(f"{where}: keys must be F, B{', W' if need_weight else ' (and W)'}; "
                          f"unknown {unknown}, missing {missing}")
-    try:
-        return PassTimes(*(float(data.get(k, 0.0)) for k in _KINDS))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: pass times must be numbers of seconds ({err})") from None
+    # A layer's passes all take time; the head's or embedding's W (or B) may take none. The
+    # one check of a time (pass_time) names the entry: a NaN here would time every plan at nan.
+    return PassTimes(*(pass_time(data.get(k, 0.0), f"{where}.{k} (seconds)",
+                                 zero_ok=not need_weight) for k in _KINDS))
 
 
 def _check_keys(data, valid: set, where: str) -> None:
@@ -236,7 +236,10 @@ def _machine(data, where: str) -> Machine:
         if value is not None and (not isinstance(value, fields[key]) or isinstance(value, bool)):
             kind = "a whole number" if fields[key] is int else "text"
             raise ValueError(f"{where}.{key} must be {kind}, got {value!r}")
-    return Machine(**{k: v for k, v in data.items() if v is not None})
+    try:
+        return Machine(**{k: v for k, v in data.items() if v is not None})
+    except ValueError as err:  # Machine's own check, with the file named
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _leftover(value, where: str) -> float | None:
@@ -274,11 +277,13 @@ def load_profile(path: str | Path) -> MeasuredProfile:
         raise ValueError(f"{where}: command must be text (the command line that measured the "
                          f"file), got {command!r}")
     hop = data.get("p2p_seconds")
+    if hop is not None:
+        hop = pass_time(hop, f"{where}: p2p_seconds", zero_ok=True)
     machine = data.get("machine")
     return MeasuredProfile(int(data["seq_length"]),
                            tuple(_measurement(e, f"{where} measurements[{i}]")
                                  for i, e in enumerate(entries)),
-                           None if hop is None else float(hop), str(path),
+                           hop, str(path),
                            _leftover(data.get("backward_leftover"), where), command,
                            None if machine is None else _machine(machine, f"{where} machine"))
 

@@ -38,7 +38,7 @@ INSTALL = ("megatron-vshape", MEGATRON_CORE, "PyYAML", "tqdm", "psutil", "packag
 OTHER_MEGATRON_CORE = "megatron-core==0.16.1"
 """The other supported release, downloaded beside (a second pip call: one call cannot take two
 versions of a package); docs/gpu-check.md's second command installs it instead."""
-RELEASE_FILES = ("setup.py", "pyproject.toml", "README.md", "LICENSE", "megatron_vshape")
+RELEASE_FILES = ("setup.py", "pyproject.toml", "README.md", "LICENSE", "megatron_vshape", "configs")
 """What this project's wheel is built from. The wheel is built from a copy of them: built in
 the working tree, setuptools reuses its ignored ``build/lib``, so modules moved or deleted since
 an earlier build would ship in the wheel (they did: a renamed package's old folder)."""

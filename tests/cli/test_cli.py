@@ -6,6 +6,7 @@ launcher with a torchrun that prints its environment): seconds, no torch, no GPU
 import argparse
 import io
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -420,7 +421,7 @@ def test_stage_costs_inline_and_file_time_the_heavy_stage(tmp_path, capsys):
 
 @pytest.mark.parametrize("spec, said", [
     ("1,1,1/1,1,1/2,2,2", "gives 3 stages, the schedule has 4 (2 ranks x 2 chunks, v layout)"),
-    ("1,1,1/1,1,1/1,1,1/0,2,2", "every forward (F) time must be a positive number"),
+    ("1,1,1/1,1,1/1,1,1/0,2,2", "every forward (F) time must be a finite number > 0"),
     ("nothere.json", "cannot read the file"),
 ])
 def test_bad_stage_costs_are_one_line_naming_the_option_and_forms(spec, said, capsys,
@@ -455,3 +456,64 @@ def test_compare_with_stage_costs_keeps_the_schedules_that_can_read_them(capsys)
     out, err = capsys.readouterr()
     assert [json.loads(line)["schedule"] for line in out.splitlines()] == ["1f1b", "zb-1p"]
     assert "skipping interleaved-1f1b, v-min, v-half, v-zb, auto" in err
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("did work before refusing the input")
+
+
+@pytest.mark.parametrize("argv, said", [
+    # the schedule's size: -p 100000 -m 8 ran past two minutes; refused before any work
+    (["search", "-p", "100000", "-m", "8"], "--ranks 100000 --microbatches 8 is too large: "
+     "at most --ranks 128 and --ranks x --microbatches 16,384 (here 800,000)"),
+    (["search", "-p", "129", "-m", "8"], "at most --ranks 128"),
+    (["frontier", "-p", "8", "-m", "2049"], "(here 16,392)"),
+    (["compare", "-p", "16", "-m", "1025"], "is too large"),
+    (["simulate", "--schedule", "1f1b", "-p", "20000", "-m", "8"], "is too large"),
+    (["render", "--schedule", "v-half", "-p", "4", "-m", "8192", "-o", "x.txt"], "too large"),
+    (["export", "--schedule", "v-zb", "-p", "256", "-m", "2"], "too large"),
+    # -p / -m below a pipeline: the ranks are named before the costs are read for them
+    (["search", "-p", "-3", "-m", "8"], "--ranks must be >= 2, got -3"),
+    (["simulate", "--schedule", "v-half", "-p", "1", "-m", "8"], "--ranks must be >= 2, got 1"),
+    (["frontier", "-p", "4", "-m", "0"], "--microbatches must be >= 1, got 0"),
+    # costs and memory that are not finite
+    (["search", "-p", "4", "-m", "8", "--costs", "inf,1,1"],
+     "--costs 'inf,1,1': costs: every forward (F) time must be a finite number > 0"),
+    (["compare", "-p", "4", "-m", "8", "--costs", "1,1,1,nan"],
+     "comm must be a finite number >= 0, got nan"),
+    (["search", "-p", "4", "-m", "8", "--memory-limit", "inf"],
+     "--memory-limit must be a fraction of 1F1B's peak, a finite number > 0 (e.g. 0.5), or "
+     "bytes with a unit (e.g. 40GiB), got 'inf'"),
+    (["search", "-p", "4", "-m", "8", "--memory-limit", "-0.5"], "got '-0.5'"),
+    (["search", "-p", "4", "-m", "8", "--memory-limit", "4GiB", "--activation-bytes=-1GiB"],
+     "--activation-bytes must be a finite number of bytes > 0, got '-1GiB'"),
+    (["search", "-p", "4", "-m", "8", "--memory-model", "nan,0,-nan"],
+     "--memory-model 'nan,0,-nan': memory: forward, backward and weight deltas must be finite"),
+    # 0 is a value, not "use the default"
+    (["plan", "--model", "tiny", "--gpus", "8", "--gpu-memory", "80", "--seq-length", "0"],
+     "seq_length (--seq-length) must be > 0, got 0"),
+    (["profile", "--model", "tiny", "--seq-length", "0", "--device", "cpu"],
+     "--seq-length must be >= 1, got 0"),
+    (["collect", os.devnull], "is neither a file nor a folder of *.log files"),
+])
+def test_bad_input_is_one_line_naming_the_setting_before_any_work(argv, said, capsys,
+                                                                 monkeypatch, tmp_path):
+    for name in ("search", "frontier", "build_schedule", "simulate"):
+        monkeypatch.setattr(f"megatron_vshape.cli.schedules.{name}", _no_work)
+    monkeypatch.setattr("megatron_vshape.cli.plan.plan", _no_work)
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vshape: error: ") and said in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_the_size_bound_lets_the_largest_measured_sizes_through(capsys):
+    """The bound's corners (p = 128 with m = 128, p = 2 with m = 8192) are accepted, and a
+    command runs at the bound (a fixed order here, to stay fast)."""
+    from megatron_vshape.schedule.model.size import MAX_RANKS, MAX_SIZE, check_size
+
+    for ranks, microbatches in ((MAX_RANKS, MAX_SIZE // MAX_RANKS), (2, MAX_SIZE // 2)):
+        check_size(ranks, microbatches)
+    assert main(["simulate", "--schedule", "1f1b", "-p", "8", "-m", "2048", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["microbatches"] == 2048

@@ -232,7 +232,7 @@ def test_profile_step_measures_tp_shards_within_its_budget(monkeypatch):
     assert file == "cuda-gpt-9.6b-s1024.yaml" and request.tensor_parallel == (1, 2, 4, 8)
     assert command.startswith("vshape profile --model gpt-9.6b --seq-length 1024")
     assert "--tensor-parallel 1 2 4 8" in command and command.endswith(
-        f"--output megatron_vshape/configs/profiles/{file}")
+        f"--output configs/profiles/{file}")
     args = build_parser().parse_args(command.split()[1:])
     assert args.tensor_parallel == [1, 2, 4, 8] and args.device == "cuda"
 

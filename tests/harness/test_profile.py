@@ -96,7 +96,7 @@ def test_committed_profiles_carry_their_provenance(path):
     words = shlex.split(profile.command)
     args = build_parser().parse_args(words[1:])
     assert words[:2] == ["vshape", "profile"]
-    assert args.output == f"megatron_vshape/configs/profiles/{path.name}"
+    assert args.output == f"configs/profiles/{path.name}"
     assert args.seq_length == profile.seq_length
     assert sorted(args.micro_batch_sizes) == sorted({m.micro_batch_size
                                                      for m in profile.measurements})
@@ -205,10 +205,29 @@ def _changed(top=None, entry=None, machine=None) -> dict:
     (_changed(machine={"kind": "cpu", "gpu": "x"}),
      r"machine: unknown keys \['gpu'\]; valid keys: device, dtype, kind, megatron_core"),
     (_changed(machine={"kind": "cpu", "threads": "one"}), "machine.threads must be a whole number"),
+    # a time is a finite number, > 0 for a layer's passes, >= 0 for a hop and the head's parts
+    (_changed(entry={"layer": {"F": float("nan"), "B": 1, "W": 1}}),
+     r"measurements\[0\].layer.F \(seconds\) must be a finite number > 0, got nan"),
+    (_changed(entry={"layer": {"F": 1, "B": float("inf"), "W": 1}}),
+     r"layer.B \(seconds\) must be a finite number > 0, got inf"),
+    (_changed(entry={"layer": {"F": 1, "B": 1, "W": 0}}), r"layer.W \(seconds\) must be a finite"),
+    (_changed(entry={"layer": {"F": "1", "B": 1, "W": 1}}),
+     r"layer.F \(seconds\) must be a finite"),
+    (_changed(entry={"head": {"F": float("inf"), "B": 1}}),
+     r"head.F \(seconds\) must be a finite number >= 0, got inf"),
+    (_changed(top={"p2p_seconds": float("nan")}), "p2p_seconds must be a finite number >= 0"),
+    (_changed(top={"p2p_seconds": -1}), "p2p_seconds must be a finite number >= 0, got -1"),
 ])
 def test_loader_errors_name_the_bad_field(tmp_path, data, needle):
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(ValueError, match=needle) as err:
         load_profile(_write(tmp_path, data))
+    assert "profile.yaml" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_head_pass_may_take_no_time_and_a_hop_none(tmp_path):
+    profile = load_profile(_write(tmp_path, _changed(top={"p2p_seconds": 0},
+                                                     entry={"head": {"F": 1, "B": 2, "W": 0}})))
+    assert profile.p2p_seconds == 0.0 and profile.measurements[0].head.weight == 0.0
 
 
 # -- GPU tier ----------------------------------------------------------------------------------

@@ -110,6 +110,37 @@ def test_auto_under_a_byte_limit_starts_as_v_min_until_measured():
     assert simulate(half).peak_memory_max <= 2.0 + 1e-9
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1e-3])
+def test_a_replan_from_measured_costs_that_are_not_times_keeps_the_running_schedule(
+        bad, caplog, monkeypatch):
+    """A measured NaN, infinity or zero (a failed timer) must not build a schedule: the run
+    goes on with the schedule it trained with, and the log says why. Good measurements do
+    re-plan (the same path, so the check is what stops the bad ones)."""
+    from megatron_vshape.megatron.replan import Replanner
+    from megatron_vshape.schedule import Layout, Placement
+
+    v2 = Placement(2, Layout.V)
+    good = Replanner.agreed_costs(v2, [1.0] * 4, [1.0] * 4, [1.0] * 4, 0.01)
+    assert good is not None and good.comm == 0.01
+    with caplog.at_level("WARNING", logger="megatron_vshape.megatron.replan"):
+        assert Replanner.agreed_costs(v2, [1.0] * 4, [1.0, bad, 1.0, 1.0], [1.0] * 4, 0.0) is None
+    assert "not re-planning: the measured costs: every backward (B) time must be a finite " \
+           "number > 0" in caplog.text and "keeping the schedule" in caplog.text
+
+    config = types.SimpleNamespace(calculate_per_token_loss=False)
+    for measured, replanned in ((None, False), (good, True)):
+        fb = VShapeForwardBackward("auto", memory_limit="0.5", replan_after=1)
+        running = fb.schedule_for(2, 4, 2, 2, config)
+        monkeypatch.setattr(fb, "_stream_groups", lambda schedule, pg: None)
+        monkeypatch.setattr(fb.replanner, "measured", lambda *args: measured)
+        fb._replan(running, types.SimpleNamespace(pp=types.SimpleNamespace(rank=lambda: 0)),
+                   None)
+        assert (fb.costs is good) == replanned
+        assert (fb._schedules == {}) == replanned  # kept: the next step runs it again
+        if not replanned:
+            assert fb.schedule_for(2, 4, 2, 2, config) is running
+
+
 def test_mirrored_group_reports_the_v_rank():
     group = types.SimpleNamespace(rank=lambda: 1, size=lambda: 4, name="pp")
     mirrored = MirroredGroup(group)

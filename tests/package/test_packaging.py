@@ -5,7 +5,8 @@ the checkout's files (a few seconds; setuptools comes from the index) and dry-ru
 (``pip install --dry-run --report``: the JSON list of what pip would install) into a virtualenv
 whose torch 2.15.0 and megatron-core 0.19.2 are stand-ins, dist-info metadata only: neither the
 package nor any extra may install torch or megatron-core there, while the old setup's pins
-would have. The wheel also carries the bundled configs, found by name once it is installed.
+would have. The wheel also carries the bundled configs (the top-level configs/, which setup.py
+maps into the package), found by name once it is installed.
 About 20 s, most of it pip resolving from the index.
 """
 import importlib.util
@@ -121,12 +122,15 @@ def test_the_cpu_constraints_pin_a_fresh_environment(wheel, tmp_path):
 
 
 def test_the_wheel_carries_the_configs_and_license(wheel):
+    """Every file of the top-level configs/ (setup.py's package_dir) lands in the package."""
     names = set(zipfile.ZipFile(wheel).namelist())
+    assert CONFIG_DIR == ROOT / "configs"  # the checkout reads its own folder
     for kind in KINDS:
-        shipped = {n for n in names if n.startswith(f"megatron_vshape/configs/{kind}/")}
-        assert {f"megatron_vshape/configs/{kind}/{p.name}"
-                for p in (CONFIG_DIR / kind).glob("*.yaml")} <= shipped
-    assert "megatron_vshape/configs/models/README.md" in names
+        shipped = {n for n in names if n.startswith(f"megatron_vshape/configs/bundled/{kind}/")}
+        assert {f"megatron_vshape/configs/bundled/{kind}/{p.name}"
+                for p in (CONFIG_DIR / kind).glob("*.yaml")} == {
+                    n for n in shipped if n.endswith(".yaml")}
+    assert "megatron_vshape/configs/bundled/models/README.md" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
@@ -136,21 +140,31 @@ def test_the_wheel_carries_the_configs_and_license(wheel):
 
 
 def test_an_installed_wheel_finds_configs_by_name(wheel, tmp_path):
-    """A regular (non-editable) install, used from a folder outside the checkout."""
+    """A regular (non-editable) install, used from a folder outside the checkout: its ``vshape``
+    command finds a bundled model, grid and profile by name."""
     target = tmp_path / "site"
     _pip("install", "--no-deps", "--quiet", "--target", str(target), str(wheel))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
-    script = ("import megatron_vshape, sys; from megatron_vshape.cli import main; "
-              "print(megatron_vshape.__file__); "
-              "sys.exit(main(['grid', 'gpt-9.6b', '--dry-run']))")
+
+    def vshape(*words: str) -> subprocess.CompletedProcess:
+        # the wheel's own console script (its shebang is this interpreter)
+        return subprocess.run([str(target / "bin" / "vshape"), *words], cwd=elsewhere, env=env,
+                              text=True, capture_output=True, timeout=120)
+
+    script = ("import megatron_vshape.configs as c; print(c.__file__); print(c.CONFIG_DIR)")
     done = subprocess.run([sys.executable, "-c", script], cwd=elsewhere, env=env, text=True,
-                          capture_output=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    where, out = done.stdout.split("\n", 1)
+                          capture_output=True, timeout=60, check=True)
+    where, configs = done.stdout.split()
     assert Path(where).is_relative_to(target)
-    assert "grid gpt-9.6b (gpt-9.6b): model gpt-9.6b (30 layers" in out
-    version = subprocess.run([sys.executable, "-m", "megatron_vshape", "--version"],
-                             cwd=elsewhere, env=env, text=True, capture_output=True, timeout=60)
+    assert Path(configs) == target / "megatron_vshape" / "configs" / "bundled"
+    plan = vshape("plan", "--model", "gpt-9.6b", "--gpus", "16", "--gpu-memory", "80",
+                  "--profile", "cuda-gpt-9.6b-s3072", "--top", "1", "--no-progress")
+    assert plan.returncode == 0, plan.stderr
+    assert "--num-layers 30 --hidden-size 5120" in plan.stdout
+    grid = vshape("grid", "gpt-9.6b", "--dry-run")
+    assert grid.returncode == 0, grid.stderr
+    assert "grid gpt-9.6b (gpt-9.6b): model gpt-9.6b (30 layers" in grid.stdout
+    version = vshape("--version")
     assert version.stdout == f"vshape {megatron_vshape.__version__}\n"

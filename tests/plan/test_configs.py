@@ -96,6 +96,34 @@ def test_an_unknown_name_lists_the_bundled_ones(argv, kind, elsewhere, capsys):
     assert not (elsewhere / "unused.md").exists()
 
 
+REQUIRED = "required: num_layers, hidden_size, num_attention_heads"
+
+
+@pytest.mark.parametrize("text, said", [
+    ("num_layers: 4\nhidden_size: 64\n", f"missing required keys ['num_attention_heads'] "
+                                           f"({REQUIRED})"),
+    ("description: only words\n", "missing required keys ['num_layers', 'hidden_size', "
+                                   "'num_attention_heads']"),
+    ("", f"must be a mapping of ModelConfig fields, got an empty file; {REQUIRED}"),
+    ("- 4\n- 64\n", "must be a mapping of ModelConfig fields, got list"),
+    ("num_layers: 4\nhidden_size: [64\n", "is not YAML (while parsing a flow sequence"),
+    ("num_layers: '4'\nhidden_size: 64\nnum_attention_heads: 4\n",
+     "num_layers must be a whole number, got '4'"),
+    ("num_layers: 4\nhidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: wide\n",
+     "ffn_hidden_size must be a whole number or null, got 'wide'"),
+    ("num_layers: 4\nhidden_size: 64\nnum_attention_heads: 4\nswiglu: 1\n",
+     "swiglu must be true or false, got 1"),
+])
+def test_a_bad_model_file_is_one_line_naming_the_file_and_the_keys(text, said, elsewhere,
+                                                                   capsys):
+    """Was a TypeError traceback (ModelConfig(**data) without a required key)."""
+    (elsewhere / "mine.yaml").write_text(text)
+    assert main(["plan", "--model", "mine.yaml", "--gpus", "8", "--gpu-memory", "80"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vshape: error: --model: model config 'mine.yaml'") and said in err, err
+    assert len(err.splitlines()) == 1
+
+
 def test_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="valid choices: models, grid, profiles"):
         find_config("model", "tiny")

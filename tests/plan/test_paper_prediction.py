@@ -74,7 +74,7 @@ def test_no_profile_adds_no_calibrated_section(small_case):
 
 
 def test_the_committed_page_is_calibrated_by_every_committed_gpu_profile():
-    """gpu-check's profiles (megatron_vshape/configs/profiles/cuda-*.yaml) each give one row
+    """gpu-check's profiles (configs/profiles/cuda-*.yaml) each give one row
     of the committed page's calibrated section, naming the GPU they were measured on."""
     from megatron_vshape.experiments.calibrate import PROFILE_DIR
     from megatron_vshape.plan.profile_file import load_profile

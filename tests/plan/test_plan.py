@@ -373,3 +373,21 @@ def test_planner_imports_without_torch():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "v-half" in done.stdout
+
+
+def test_points_too_large_to_schedule_are_skipped_with_the_reason():
+    """A global batch of 65,536 on 16 GPUs gives PP 2 at DP 8 8,192 microbatches (at the
+    bound, kept) and PP 8 at DP 2 32,768 (over, skipped): ``vshape plan --global-batch 65536``
+    ran past two minutes, now 68 s with 27 points skipped and said so."""
+    from megatron_vshape.plan.candidates import grid_points
+    from megatron_vshape.schedule.model.size import MAX_SIZE
+
+    model = load_model_config("gpt-9.6b")
+    space = SearchSpace(micro_batch_sizes=(1,), tensor_parallel=(1,))
+    points, skipped = grid_points(model, TrainingConfig(seq_length=3072, global_batch=65536),
+                                  ClusterConfig(gpus=16, gpu_memory_gib=80.0), space)
+    kept = {(p.pp, p.microbatches) for p in points}
+    assert (1, 4096) in kept and (2, 8192) in kept and (4, 16384) not in kept
+    assert all(p.pp == 1 or p.pp * p.microbatches <= MAX_SIZE for p in points)
+    assert skipped[f"PP x microbatches over {MAX_SIZE:,}, too large to schedule in about a "
+                   f"minute"] == 3  # PP 4, 8, 16

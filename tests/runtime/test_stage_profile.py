@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from megatron_vshape.megatron.replan import Replanner
 from megatron_vshape.runtime.profile import PassProfile, stage_costs_of
-from megatron_vshape.schedule import Action, Layout, PassKind, Placement, build_schedule
+from megatron_vshape.schedule import Action, Costs, Layout, PassKind, Placement, build_schedule
 
 P4 = Placement(4, Layout.V)
 HEAD = 3.0
@@ -93,3 +93,29 @@ def test_replanner_passes_per_stage_costs_to_the_search(world_of_one, monkeypatc
     assert costs.comm == 0.002
     planned = build_schedule("auto", 4, 8, costs=costs, memory_limit=3.0)
     assert planned.placement == P4
+
+
+class _BadProfile:
+    """A profile whose measured times are not times (a failed timer): what gather_costs raises
+    on every rank of that pipeline."""
+
+    def gather_costs(self, placement, rank, group=None):
+        return Costs.for_stages(placement, [1.0] * 8, [1.0] * 7 + [float("nan")], [1.0] * 8)
+
+
+@pytest.mark.gloo  # a process group of one in this process (about 1 s)
+def test_a_replan_from_measurements_that_are_not_times_keeps_the_schedule(world_of_one,
+                                                                          monkeypatch, caplog):
+    """The rank that measured NaN still joins the all-reduce (with NaN, so every rank's mean
+    is NaN and every rank falls back alike), re-planning stops, and the log says why."""
+    monkeypatch.setattr("megatron_vshape.megatron.replan.measure_hop_latency",
+                        lambda *args, **kwargs: 0.002)
+    spec = type("Spec", (), {"shape": (2, 2), "dtype": torch.float32, "wire_device": "cpu"})
+    replanner = Replanner(after=1)
+    with caplog.at_level("WARNING", logger="megatron_vshape.megatron.replan"):
+        costs = replanner.measured(_BadProfile(), build_schedule("v-half", 4, 8), 0, None, None,
+                                   spec)
+    assert costs is None and replanner.done and not replanner.profiling
+    assert replanner.memory is None and replanner.activation_bytes is None
+    assert "pipeline rank 0 measured costs: every backward (B) time must be a finite" in \
+        caplog.text and "not re-planning" in caplog.text

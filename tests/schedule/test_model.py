@@ -96,8 +96,38 @@ def test_per_rank_costs_and_bad_costs():
     assert slow.makespan > even.makespan
     with pytest.raises(ScheduleError, match="3 per-rank values for 4 ranks"):
         Costs.build(4, forward=[1, 1, 1])
-    with pytest.raises(ScheduleError, match="positive"):
+    with pytest.raises(ScheduleError, match="finite number > 0"):
         Costs.build(4, forward=0)
+
+
+NOT_A_TIME = [float("nan"), float("inf"), -float("inf"), -1.0, 0.0, "1", True, None]
+
+
+@pytest.mark.parametrize("bad", NOT_A_TIME, ids=repr)
+def test_every_way_of_making_costs_refuses_a_time_that_is_not_finite_and_positive(bad):
+    """One check (Costs.__post_init__, by pass_time) behind every constructor: NaN would slip
+    past a plain ``> 0`` test and time every schedule at ``makespan nan``."""
+    from megatron_vshape.schedule import Layout, Placement, parse_costs
+    v2 = Placement(2, Layout.V)
+    makers = {
+        "build": lambda: Costs.build(4, forward=[1, bad, 1, 1]),
+        "constructor": lambda: Costs((1.0,) * 4, (1.0,) * 4, (bad,) * 4),
+        "for_stages": lambda: Costs.for_stages(v2, [1, 1, 1, 1], [1, bad, 1, 1], [1] * 4),
+        "from_list": lambda: Costs.from_list([1, 1, 1, 0, [[1, 1, 1]] * 3 + [[1, 1, bad]]], 2),
+        "per-stage field": lambda: Costs((1.0,) * 2, (1.0,) * 2, (1.0,) * 2,
+                                         stages=((1.0, 1.0, bad),) * 4),
+    }
+    for name, make in makers.items():
+        with pytest.raises(ScheduleError, match="time must be a finite number > 0") as err:
+            make()
+        assert "\n" not in str(err.value), name
+    if isinstance(bad, float):
+        with pytest.raises(ScheduleError, match=r"^--costs '.*': costs: every forward \(F\)"):
+            parse_costs(f"{bad},1,1", 4)
+    if bad != 0.0:  # a hop may take no time, nothing else that is not a time
+        with pytest.raises(ScheduleError, match="comm must be a finite number >= 0"):
+            Costs.build(4, comm=bad)
+    assert Costs.build(4, comm=0.0).comm == 0.0
 
 
 def test_memory_model_lets_b_free_part():

@@ -99,8 +99,8 @@ def test_the_list_form_round_trips():
 
 @pytest.mark.parametrize("bad, match", [
     (([1, 1, 1], [1] * 4, [1] * 4), "forward \\(F\\) has 3 per-stage values for 4 stages"),
-    (([1] * 4, [1, 1, 0, 1], [1] * 4), "every backward \\(B\\) time must be a positive"),
-    (([1] * 4, [1] * 4, [1, 1, -1, 1]), "every weight \\(W\\) time must be a positive"),
+    (([1] * 4, [1, 1, 0, 1], [1] * 4), "every backward \\(B\\) time must be a finite number > 0"),
+    (([1] * 4, [1] * 4, [1, 1, -1, 1]), "every weight \\(W\\) time must be a finite number > 0"),
 ])
 def test_for_stages_rejects_bad_lists(bad, match):
     with pytest.raises(ScheduleError, match=match):
@@ -121,8 +121,11 @@ def test_the_stage_costs_forms_parse(tmp_path):
     ("1,1,1/1,1,1/2,2,2", "gives 3 stages, the schedule has 4"),
     ("1,1,1/1,1,1/1,1,1/2,2", "every stage needs three numbers"),
     ("1,1,1/1,1,1/1,1,1/2,x,2", "'x' is not a number"),
-    ("1,1,1/1,1,1/1,1,1/2,0,2", "must be a positive number"),
-    ("1,1,1/1,1,1/1,1,1/2,2,2/-1", "comm must be a number >= 0"),
+    ("1,1,1/1,1,1/1,1,1/2,0,2", "must be a finite number > 0"),
+    ("1,1,1/1,1,1/1,1,1/2,inf,2", "every backward \\(B\\) time must be a finite number > 0"),
+    ("1,1,1/1,1,1/1,1,1/2,2,nan", "every weight \\(W\\) time must be a finite number > 0"),
+    ("1,1,1/1,1,1/1,1,1/2,2,2/-1", "comm must be a finite number >= 0"),
+    ("1,1,1/1,1,1/1,1,1/2,2,2/inf", "comm must be a finite number >= 0"),
     ("missing.json", "cannot read the file"),
 ])
 def test_bad_stage_costs_name_the_option_and_the_valid_forms(text, match):

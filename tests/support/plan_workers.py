@@ -1,4 +1,4 @@
-"""Workers for the planner's memory check: a bundled model (``megatron_vshape/configs/models``)
+"""Workers for the planner's memory check: a bundled model (``configs/models``)
 on megatron-core (CPU, gloo, fp32, local spec), its peak bytes kept for backward per rank under
 one schedule.
 

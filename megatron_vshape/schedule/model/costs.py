@@ -2,34 +2,54 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence, Union
 
 from .actions import PassKind, ScheduleError
 from .placement import Placement
 
-__all__ = ["Costs", "PassTimes", "MemoryModel", "parse_costs", "parse_memory_model"]
+__all__ = ["Costs", "PassTimes", "MemoryModel", "COSTS_FORM", "pass_time", "parse_costs",
+           "parse_memory_model"]
 
 Number = Union[int, float]
 
 
-def _per_rank(name: str, value: Number | Sequence[Number], ranks: int) -> tuple[float, ...]:
+COSTS_FORM = "F,B,W or F,B,W,COMM: finite numbers, F, B, W > 0 and COMM >= 0 (e.g. 1,1,1,0)"
+"""The CLI's ``--costs`` form, as its errors and help name it."""
+
+
+def pass_time(value, name: str, zero_ok: bool = False) -> float:
+    """``value`` as a float when it is a finite number > 0 (>= 0 where ``zero_ok``: a hop, or
+    a part of a pass such as the LM head's W), else a ScheduleError naming ``name``.
+
+    The one check of a time, wherever times enter (the CLI's --costs and --stage-costs, profile
+    files, the costs a re-plan measured): NaN compares false to everything, so it would slip
+    past ``> 0`` and a simulator fed it reports ``makespan nan`` with a bubble of 0; an
+    infinite time makes every schedule equally infinite and the search's choice meaningless.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or not (value >= 0 if zero_ok else value > 0):
+        raise ScheduleError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, "
+                            f"got {value!r}")
+    return float(value)
+
+
+def _times(name: str, values) -> tuple[float, ...]:
+    """Every one of ``values`` checked by :func:`pass_time`; the error lists them all."""
+    values = tuple(values)
+    try:
+        return tuple(pass_time(v, name) for v in values)
+    except ScheduleError:
+        raise ScheduleError(f"costs: every {name} time must be a finite number > 0, got "
+                            f"{list(values)}") from None
+
+
+def _per_rank(name: str, value: Number | Sequence[Number], ranks: int) -> tuple:
     values = [value] * ranks if isinstance(value, (int, float)) else list(value)
     if len(values) != ranks:
         raise ScheduleError(f"costs: {name} has {len(values)} per-rank values for {ranks} ranks")
-    return _positive(name, values)
-
-
-def _positive(name: str, values: list) -> tuple[float, ...]:
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in values):
-        raise ScheduleError(f"costs: every {name} time must be a positive number, got {values}")
-    return tuple(float(v) for v in values)
-
-
-def _check_comm(comm) -> float:
-    if isinstance(comm, bool) or not isinstance(comm, (int, float)) or not comm >= 0:
-        raise ScheduleError(f"costs: comm must be a number >= 0, got {comm!r}")
-    return float(comm)
+    return tuple(values)
 
 
 class PassTimes(NamedTuple):
@@ -65,10 +85,24 @@ class Costs:
     """Per global stage, (F, B, W) of one pass of that stage; None: every chunk of a rank
     takes its share of the rank's times."""
 
+    def __post_init__(self) -> None:
+        """Every time a finite number > 0 and the hop >= 0 (:func:`pass_time`), however the
+        costs were made: a ScheduleError names the bad one before anything is timed."""
+        for name, kind in (("forward (F)", "forward"), ("backward (B)", "backward"),
+                           ("weight (W)", "weight")):
+            object.__setattr__(self, kind, _times(name, getattr(self, kind)))
+        object.__setattr__(self, "comm", pass_time(self.comm, "costs: comm", zero_ok=True))
+        if self.stages is not None:
+            if any(len(s) != 3 for s in self.stages):
+                raise ScheduleError(f"costs: every stage needs [F, B, W], got {self.stages!r}")
+            object.__setattr__(self, "stages", tuple(
+                zip(*(_times(name, column) for name, column in
+                      zip(("per-stage forward (F)", "per-stage backward (B)",
+                           "per-stage weight (W)"), zip(*self.stages))))))
+
     @classmethod
     def build(cls, ranks: int, forward=1.0, backward=1.0, weight=1.0, comm=0.0) -> "Costs":
         """Costs from single values (same on every rank) or per-rank lists."""
-        comm = _check_comm(comm)
         return cls(
             forward=_per_rank("forward (F)", forward, ranks),
             backward=_per_rank("backward (B)", backward, ranks),
@@ -88,7 +122,7 @@ class Costs:
         shares time bit for bit as those shares do, but stay per stage: 1F1B's stage k reads
         stages 2k and 2k + 1 (:meth:`pass_times`), not the V's rank k share.
         """
-        comm = _check_comm(comm)
+        comm = pass_time(comm, "costs: comm", zero_ok=True)
         count = placement.num_stages
         times = []
         for name, values in (("forward (F)", forward), ("backward (B)", backward),
@@ -99,7 +133,7 @@ class Costs:
                     f"costs: {name} has {len(values)} per-stage values for {count} stages "
                     f"({placement.ranks} ranks x {placement.chunks} chunks, "
                     f"{placement.layout.value} layout)")
-            times.append(_positive(name, values))
+            times.append(_times(name, values))  # before they are summed per rank
         per_stage = tuple(zip(*times))
         chunks = [[per_stage[placement.stage_of(r, c)] for c in range(placement.chunks)]
                   for r in range(placement.ranks)]
@@ -167,22 +201,23 @@ class Costs:
         costs = cls.build(ranks, *values[:4])
         if len(values) == 4:
             return costs
-        stages = tuple(_positive("per-stage", list(s)) for s in values[4])
-        if any(len(s) != 3 for s in stages):
-            raise ScheduleError(f"costs: every stage needs [F, B, W], got {values[4]!r}")
-        return dataclasses.replace(costs, stages=stages)
+        return dataclasses.replace(costs, stages=tuple(tuple(s) for s in values[4]))
 
 
-def parse_costs(text: str, ranks: int) -> Costs:
-    """Parse ``"F,B,W[,COMM]"`` (the CLI form) into :class:`Costs`."""
+def parse_costs(text: str, ranks: int, option: str = "--costs") -> Costs:
+    """Parse ``"F,B,W[,COMM]"`` (the CLI form) into :class:`Costs`; a ScheduleError naming
+    ``option`` and the valid form for anything else."""
     parts = [p.strip() for p in text.split(",")]
-    if len(parts) not in (3, 4):
-        raise ScheduleError(f"--costs must be F,B,W or F,B,W,COMM (e.g. 1,1,1,0), got {text!r}")
     try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise ScheduleError(f"--costs must be numbers, got {text!r}") from None
-    return Costs.build(ranks, *values)
+        if len(parts) not in (3, 4):
+            raise ScheduleError("needs three or four numbers")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise ScheduleError("not numbers") from None
+        return Costs.build(ranks, *values)
+    except ScheduleError as err:
+        raise ScheduleError(f"{option} {text!r}: {err}; valid form: {COSTS_FORM}") from None
 
 
 @dataclass(frozen=True)
@@ -198,6 +233,10 @@ class MemoryModel:
     weight: float = -1.0
 
     def __post_init__(self) -> None:
+        values = (self.forward, self.backward, self.weight)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+            raise ScheduleError(f"memory: forward, backward and weight deltas must be finite "
+                                f"numbers, got {', '.join(map(repr, values))}")
         if self.forward <= 0:
             raise ScheduleError(f"memory: forward delta must be > 0, got {self.forward}")
         if abs(self.forward + self.backward + self.weight) > 1e-9:
@@ -225,4 +264,7 @@ def parse_memory_model(text: str) -> MemoryModel:
         values = [float(p) for p in parts]
     except ValueError:
         raise ScheduleError(f"--memory-model must be numbers, got {text!r}") from None
-    return MemoryModel(*values)
+    try:
+        return MemoryModel(*values)
+    except ScheduleError as err:
+        raise ScheduleError(f"--memory-model {text!r}: {err}") from None

@@ -8,6 +8,7 @@ the bytes of a unit are known too, which training measures in its first profiled
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -27,8 +28,8 @@ def parse_bytes(text: str, setting: str) -> float:
     except (AttributeError, ValueError, KeyError):
         raise ScheduleError(f"{setting} must be a number with a unit ({', '.join(BYTE_UNITS)}), "
                             f"got {text!r}") from None
-    if value <= 0:
-        raise ScheduleError(f"{setting} must be > 0, got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ScheduleError(f"{setting} must be a finite number of bytes > 0, got {text!r}")
     return value
 
 
@@ -45,17 +46,25 @@ class MemoryLimit:
         if (self.fraction is None) == (self.bytes is None):
             raise ScheduleError("a memory limit is a fraction of 1F1B's peak or a number of "
                                 "bytes: give exactly one")
-        if self.fraction is not None and not self.fraction > 0:
-            raise ScheduleError(f"memory limit fraction must be > 0 (e.g. 0.5), got "
-                                f"{self.fraction!r}")
+        if self.fraction is not None and not (math.isfinite(self.fraction) and
+                                              self.fraction > 0):
+            raise ScheduleError(f"memory limit fraction must be a finite number > 0 (e.g. "
+                                f"0.5), got {self.fraction!r}")
 
     @classmethod
     def parse(cls, text: str, setting: str = "--memory-limit") -> "MemoryLimit":
-        """``"0.5"`` (fraction of 1F1B) or ``"40GiB"`` (bytes)."""
+        """``"0.5"`` (fraction of 1F1B) or ``"40GiB"`` (bytes); a ScheduleError naming
+        ``setting`` and both forms for anything else."""
         try:
-            return cls(fraction=float(text))
+            fraction = float(text)
         except ValueError:
             return cls(bytes=parse_bytes(text, setting))
+        try:
+            return cls(fraction=fraction)
+        except ScheduleError:
+            raise ScheduleError(f"{setting} must be a fraction of 1F1B's peak, a finite number "
+                                f"> 0 (e.g. 0.5), or bytes with a unit (e.g. 40GiB), got "
+                                f"{text!r}") from None
 
     @property
     def needs_activation_bytes(self) -> bool:
