@@ -24,8 +24,9 @@ from ..model.schedule import Schedule
 from ..model.simulate import peak_memory
 from .pool import Pool
 
-__all__ = ["InfeasibleMemoryError", "WAVE", "fixed_blocks", "tries_wave", "wave", "family_blocks",
-           "below_v_half", "continuous_blocks", "none_fits", "infeasible", "wave_orders",
+__all__ = ["InfeasibleMemoryError", "WAVE", "blocks", "fixed_blocks", "tries_wave",
+           "wave_or_none_fits", "family_blocks", "below_v_half", "continuous_blocks", "infeasible",
+           "wave_orders",
            "fixed_block_over", "lifespan_bound", "probe_peak", "reaches_steady_state"]
 
 _EPS = 1e-9
@@ -44,6 +45,14 @@ class InfeasibleMemoryError(ScheduleError):
             f"smallest achievable peak is {smallest:g} units, reached by {schedule}"
         )
         self.limit, self.smallest, self.schedule = limit, smallest, schedule
+
+
+def blocks(pool: Pool) -> None:
+    """The V blocks repeated and squeezed: the paper's three (``fixed_blocks``), then the V
+    family's closest under the limit (``family_blocks``); one job, on the paper's blocks and
+    on the family's."""
+    fixed_blocks(pool)
+    family_blocks(pool)
 
 
 def fixed_blocks(pool: Pool) -> None:
@@ -71,9 +80,12 @@ def tries_wave(pool: Pool) -> bool:
     return pool.problem.limit >= p - _EPS or 6 * p * m <= pool.settings.wave_cheap_passes
 
 
-def wave(pool: Pool) -> None:
-    """The V-ZB wave under the limit (wave.py), a finished order (not replayed)."""
+def wave_or_none_fits(pool: Pool) -> None:
+    """The V-ZB wave under the limit (wave.py), a finished order (not replayed), last of the
+    constructions; where still nothing fits, the error (``infeasible``)."""
     pool.consider(WAVE, functools.partial(wave_orders, pool), replayable=False)
+    if not pool.candidates:
+        raise infeasible(pool)
 
 
 def family_blocks(pool: Pool) -> None:
@@ -98,10 +110,6 @@ def continuous_blocks(pool: Pool) -> None:
     for scale in pool.settings.period_scales:
         pool.consider((f"continuous-offset block, period x{scale:g}",),
                       functools.partial(_periodic, pool.problem, scale))
-
-
-def none_fits(pool: Pool) -> None:
-    raise infeasible(pool)
 
 
 def wave_orders(pool: Pool) -> tuple:
