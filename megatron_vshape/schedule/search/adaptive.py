@@ -84,7 +84,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
@@ -213,12 +213,11 @@ class SearchRequest:
 class AlsoTry:
     """A step around the search under one model: when its gate holds, it adds answers, and
     the fastest of all answers is kept (ties: the first). Its gate and its step take what was
-    asked (a ``SearchRequest`` here, a named build's ``Level`` in levels.py's table) and the
-    answers so far."""
+    asked (the ``SearchRequest``) and the answers so far."""
 
     name: str
-    when: Callable[[Any, list], bool]
-    run: Callable[[Any, list], list]
+    when: Callable[[SearchRequest, list], bool]
+    run: Callable[[SearchRequest, list], list]
 
 
 def _anyway(request: SearchRequest, found: list) -> bool:
