@@ -127,7 +127,7 @@ def test_continuous_block_at_uniform_costs_is_v_min(p):
     from megatron_vshape.schedule.construct.periodic import periodic_block, periodic_orders
 
     m = 4 * p
-    block = periodic_block(Problem(Placement(p, Layout.V), m, Costs.build(p)))
+    block = periodic_block(Problem(Placement(p, Layout.V), m, Costs.build(p)), 1.0)
     schedule = _schedule(periodic_orders(block, m), Layout.V, p, m)
     validate(schedule)
     ours, v_min = simulate(schedule), simulate(build_schedule("v-min", p, m, variant="paper"))

@@ -110,8 +110,7 @@ def test_cool_down_lays_the_last_gradients_tight():
     relaid = paper.with_actions(reshape_cool_down(_problem(paper).with_cap(8), paper.rank_actions))
     assert _last_gradient_spacing(relaid) == [[2.0, 2.0, 2.0]] * p
     found = search(p, m, Costs.build(p, 2, 2, 2, comm=0.1), 4.0)
-    relaid = {"warm-up and cool-down re-laid", "cool-down re-laid"}
-    assert relaid & {s.name for s in found.provenance}
+    assert "warm-up and cool-down re-laid" in {s.name for s in found.provenance}
     assert found.result.makespan <= 434.0 + 1e-9
 
 

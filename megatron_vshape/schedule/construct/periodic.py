@@ -74,7 +74,7 @@ class _Reservations:
         raise ScheduleError(f"no room for a pass of length {length:g} in period {self.period:g}")
 
 
-def periodic_block(problem: Problem, period_scale: float = 1.0) -> PeriodicBlock:
+def periodic_block(problem: Problem, period_scale: float) -> PeriodicBlock:
     """Build the block for the problem's costs (a V placement); the period is ``period_scale``
     x the slowest rank's work."""
     if problem.placement.layout is not Layout.V:

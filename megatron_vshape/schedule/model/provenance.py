@@ -74,7 +74,7 @@ class Provenance:
         return words + "".join(f", {s}" for s in self.then)
 
 
-RELAID = ("warm-up re-laid", "warm-up and cool-down re-laid", "cool-down re-laid")
+RELAID = ("warm-up re-laid", "warm-up and cool-down re-laid")
 """The steps that re-lay a warm-up or cool-down (rewrite/reshape_ends.py)."""
 CRITICAL_TAIL = "cool-down critical path first"
 """The critical-path cool-down (search/critical_path_step.py)."""
@@ -100,11 +100,10 @@ WORDS: dict[str, Callable[..., str]] = {
     "gaps filled": lambda: "gaps filled",
     RELAID[0]: lambda peak: f"warm-up re-laid (peak {peak})",
     RELAID[1]: lambda peak: f"warm-up and cool-down re-laid (peak {peak})",
-    RELAID[2]: lambda peak: f"cool-down re-laid (peak {peak})",
     # under a memory model that frees at B (search/freeing_at_b.py)
     "W deferred under the model": lambda: "W deferred under the model",
     "W deferred and polished under the model": lambda: "W deferred and polished under the model",
-    # the last step of the search and of the levels (search/critical_path_step.py)
+    # the last step of the search (search/critical_path_step.py)
     CRITICAL_TAIL: lambda line, again:
         f"{CRITICAL_TAIL} ({line} line){' again' if again else ''}",
     # zb-1p's one-chunk orders (search/levels.py)

@@ -74,12 +74,14 @@ class _ReplayFacts:
     (1e-6 to spare)."""
 
 
-def replay_in_time(problem: Problem, orders, window: int = 24,
+def replay_in_time(problem: Problem, orders, window: int,
                    abandon_above: float = float("inf")) -> Replay:
     """Per-rank orders from replaying ``orders`` under the problem's costs within its cap,
     and the makespan they reach (the search ranks replays by it without simulating them).
 
-    ``window`` bounds how far past the head of a rank's order a ready pass may be taken.
+    ``window`` bounds how far past the head of a rank's order a ready pass may be taken (no
+    default: the search's is ``Settings.replay_windows``, search/settings.py, with the
+    measurement that chose it).
     Raises ScheduleError when the limit leaves the ranks waiting on each other, and as soon as
     a rank holds more than ``abandon_above`` units (the problem's unit, with 1e-6
     chunk-activations to spare): the search replays with a chunk of slack over its limit and

@@ -2,15 +2,16 @@
 
 Candidates, all V-shaped (two chunks per rank):
 
-    fixed blocks     V-Min, V-Half, V-ZB as the registry builds them, and V-Min and V-Half
+    blocks           V-Min, V-Half, V-ZB as the registry builds them, and V-Min and V-Half
                      squeezed and reordered pass by pass as the paper's code does
                      (slot_reorder.py); each only until the next larger one surely fits
-                     the limit (``_outgrown``)
-    block family     offsets (k1, k2, split) of family.py, repeated, squeezed, cool-down reordered
-    wave             V-ZB's cost-aware construction (wave.py) under the limit (at 1F1B's
-                     memory, for small cases, and when nothing else fits)
+                     the limit (``_outgrown``); then the V family's blocks, offsets
+                     (k1, k2, split) of family.py, repeated, squeezed, cool-down reordered
     continuous       periodic.py's cost-aware blocks (real-time offsets), a few periods,
                      below V-Half's bound
+    wave             V-ZB's cost-aware construction (wave.py) under the limit (at 1F1B's
+                     memory, for small cases, and when nothing else fits: else the error,
+                     ``InfeasibleMemoryError``)
     timed replay     the best few of the above replayed in real time under the limit (replay.py),
                      which fills the stalls of unbalanced costs with W, B and fitting F passes:
                      the 4 fastest, plus the fastest of up to 2 other memory peaks, since
@@ -27,8 +28,7 @@ Candidates, all V-shaped (two chunks per rank):
                      0.254 -> 0.242 bubble, m = 64 0.124 -> 0.117; the reference's search
                      0.243 and 0.115); not replayed (at m = 64 that lost 0.001)
     polished         the 3 fastest of all the above, improved by the local search (local.py),
-                     then the fastest of all (re-laid first if it is not yet) polished once
-                     more with a larger budget
+                     then the fastest of all polished once more with a larger budget
     W deferred       the 5 fastest of all with every W moved to where its rank would wait
                      (weight_deferral.py): the backlog the steady state builds within the
                      candidate's own peak fills the cool-down's waits for the last gradients
@@ -84,23 +84,23 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from ..model.costs import Costs, MemoryModel
 from ..model.limits import memory_limit_units
 from ..model.placement import Layout, Placement
 from ..model.problem import Problem
-from ..model.provenance import Chosen, Provenance, Step
+from ..model.provenance import Chosen, Provenance
+from ..model.provenance import Step as OrderStep  # a step that made an order; Step: the search's
 from ..model.schedule import Schedule
 from ..model.simulate import SimResult, peak_memory, simulate
 from ..names import AUTO
-from .constructions import (InfeasibleMemoryError, below_v_half, continuous_blocks, family_blocks,
-                            fixed_blocks, none_fits, tries_wave, wave)
+from .constructions import (InfeasibleMemoryError, below_v_half, blocks, continuous_blocks,
+                            tries_wave, wave_or_none_fits)
 from .freeing_at_b import freeing_nothing_at_b, refined_under
 from .gc_pause import collector_paused
 from .improvements import (capped, defer_fastest, fill_fastest, fills_gaps, final_budget,
-                           polish_winner, polishes, relay_winner, relays, repeat_moves, repeats,
-                           replays)
+                           polishes, relays, repeat_moves, repeats, replays)
 from .pool import Pool
 from .settings import SETTINGS, Settings
 from .critical_path_step import with_faster_tail
@@ -138,41 +138,28 @@ def _shapes(pool: Pool) -> bool:
     return pool.shapes
 
 
-def _nothing_fits(pool: Pool) -> bool:
-    return not pool.candidates
-
-
-def _nothing_fits_untried(pool: Pool) -> bool:
-    return not pool.candidates and not tries_wave(pool)
+def _wave_or_nothing_fits(pool: Pool) -> bool:
+    return tries_wave(pool) or not pool.candidates
 
 
 STEPS = (
     #    name                  when                   run
     #        budget (``Settings`` fields in braces)
-    Step("fixed blocks",       _always,               fixed_blocks,
-         "3 (+2 slot-reordered)"),
-    Step("wave",               tries_wave,            wave,
-         "1"),
-    Step("family blocks",      _always,               family_blocks,
-         "{family_budget} closest under"),
+    Step("blocks",             _always,               blocks,
+         "V-Min, V-Half, V-ZB (+2 slot-reordered), the {family_budget} family blocks closest "
+         "under"),
     Step("continuous blocks",  below_v_half,          continuous_blocks,
          "periods x{period_scales}"),
+    Step("wave",               _wave_or_nothing_fits, wave_or_none_fits,
+         "1 (raises where still nothing fits)"),
     Step("replay",             _always,               replays,
          "{replays} x slacks {replay_slack} + {extra_peaks} peaks, window {replay_windows} "
          "({replays_large} + {extra_peaks_large} over {large_passes:,} passes)"),
     Step("re-lay",             _shapes,               relays,
          "{relaid} + finished, x 3 ({relaid_large} over {large_passes:,} passes)"),
     Step("polish",             _always,               polishes,
-         "{polished} x {polish_budget:,} passes"),
-    Step("wave, nothing fits", _nothing_fits_untried, wave,
-         "1"),
-    Step("none fits",          _nothing_fits,         none_fits,
-         "raises"),
-    Step("re-lay the winner",  _shapes,               relay_winner,
-         "1 x 4 shapes"),
-    Step("polish the winner",  _always,               polish_winner,
-         "{final_polish_budget:,} passes ({final_polish_large:,} from "
-         "{final_polish_large_passes:,} passes)"),
+         "{polished} x {polish_budget:,} passes, then the winner {final_polish_budget:,} "
+         "({final_polish_large:,} from {final_polish_large_passes:,} passes)"),
     Step("W deferral",         _shapes,               defer_fastest,
          "{filled} (+ a polish)"),
     Step("gap fill",           fills_gaps,            fill_fastest,
@@ -190,7 +177,7 @@ class SearchResult:
     seconds: float
     candidates: int
     """How many candidates were timed."""
-    provenance: tuple[Step, ...] = ()
+    provenance: tuple[OrderStep, ...] = ()
     """The steps that made the schedule, first to last (model/provenance.py: data; the
     schedule's description renders them, and is never parsed back)."""
 
@@ -229,40 +216,37 @@ class SearchRequest:
 class AlsoTry:
     """A step around the search under one model: when its gate holds, it adds answers, and
     the fastest of all answers is kept (ties: the first). Its gate and its step take what was
-    asked (a ``SearchRequest`` here, a named build's ``Level`` in levels.py's table) and the
-    answers so far."""
+    asked (the ``SearchRequest``) and the answers so far."""
 
     name: str
-    when: Callable[[Any, list], bool]
-    run: Callable[[Any, list], list]
+    when: Callable[[SearchRequest, list], bool]
+    run: Callable[[SearchRequest, list], list]
 
 
-def _frees_at_b(request: SearchRequest, found: list) -> bool:
-    return freeing_nothing_at_b(request.problem.memory) is not None
-
-
-def _none_found(request: SearchRequest, found: list) -> bool:
-    return not found
+def _anyway(request: SearchRequest, found: list) -> bool:
+    return True
 
 
 def _refines(request: SearchRequest, found: list) -> bool:
-    return request.shapes and _frees_at_b(request, found)
+    return request.shapes and freeing_nothing_at_b(request.problem.memory) is not None
 
 
-def _freeing_nothing(request: SearchRequest, found: list) -> list:
-    """The search under the model where B frees nothing, re-timed under the problem's
-    (freeing_at_b.py: what fits there fits here); nothing where nothing fits there."""
+def _searched(request: SearchRequest, found: list) -> list:
+    """``STEPS`` over one pool: under a model whose B frees memory, under the model where B
+    frees nothing, re-timed under the problem's (freeing_at_b.py: what fits there fits here),
+    and under the problem's model itself only where nothing fits there; else under the
+    problem's model."""
     problem = request.problem
-    base = dataclasses.replace(problem, memory=freeing_nothing_at_b(problem.memory))
-    try:
-        other = _search_cached(dataclasses.replace(request, problem=base))
-    except InfeasibleMemoryError:
-        return []
-    return [dataclasses.replace(other, result=simulate(other.schedule, problem.costs,
-                                                       problem.memory))]
-
-
-def _under_the_model(request: SearchRequest, found: list) -> list:
+    freeing_nothing = freeing_nothing_at_b(problem.memory)
+    if freeing_nothing is not None:
+        base = dataclasses.replace(problem, memory=freeing_nothing)
+        try:
+            other = _search_cached(dataclasses.replace(request, problem=base))
+        except InfeasibleMemoryError:
+            pass
+        else:
+            return [dataclasses.replace(other, result=simulate(other.schedule, problem.costs,
+                                                               problem.memory))]
     return [search_steps(request)]
 
 
@@ -272,12 +256,11 @@ def _refined_first(request: SearchRequest, found: list) -> list:
 
 ALSO_TRY = (
     #       name                       when               run
-    AlsoTry("B frees nothing",         _frees_at_b,       _freeing_nothing),
-    AlsoTry("under the model",         _none_found,       _under_the_model),
+    AlsoTry("the search",              _anyway,           _searched),
     AlsoTry("refined under the model", _refines,          _refined_first),
 )
-"""Around ``STEPS``: under a model whose B frees memory, the answer where B frees nothing
-first, the search under the model itself only where nothing fits there (freeing_at_b.py)."""
+"""Around ``STEPS``: the search (under a model whose B frees memory, where B frees nothing
+first: freeing_at_b.py), then that answer refined under the model."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -300,7 +283,7 @@ def clear_cache() -> None:
     _search_cached.cache_clear()
 
 
-def _chosen(provenance: tuple[Step, ...], limit: float) -> Provenance:
+def _chosen(provenance: tuple[OrderStep, ...], limit: float) -> Provenance:
     """The search's steps, chosen by ``auto`` under ``limit`` units."""
     return Provenance(provenance, Chosen(AUTO, "limit", limit))
 
@@ -332,7 +315,7 @@ def _refined(result: SearchResult, request: SearchRequest) -> list[SearchResult]
     budget = final_budget(problem.ranks, problem.microbatches, settings)
     out = []
     for how, orders in refined_under(problem.with_limit(min(limit, own)), schedule.rank_actions,
-                                     capped(budget, passes, settings)):
+                                     capped(budget, passes, settings), settings):
         provenance = result.provenance + (how,)
         refined = schedule.with_actions(orders, provenance=_chosen(provenance, limit))
         out.append(SearchResult(refined, simulate(refined, costs, memory), 0.0, 1, provenance))

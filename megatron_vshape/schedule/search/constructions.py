@@ -25,8 +25,9 @@ from ..model.schedule import Schedule
 from ..model.simulate import peak_memory
 from .pool import Pool
 
-__all__ = ["InfeasibleMemoryError", "WAVE", "fixed_blocks", "tries_wave", "wave", "family_blocks",
-           "below_v_half", "continuous_blocks", "none_fits", "infeasible", "wave_orders",
+__all__ = ["InfeasibleMemoryError", "WAVE", "blocks", "fixed_blocks", "tries_wave",
+           "wave_or_none_fits", "family_blocks", "below_v_half", "continuous_blocks", "infeasible",
+           "wave_orders",
            "fixed_block_over", "lifespan_bound", "probe_peak", "reaches_steady_state"]
 
 _EPS = 1e-9
@@ -45,6 +46,14 @@ class InfeasibleMemoryError(ScheduleError):
             f"smallest achievable peak is {smallest:g} units, reached by {schedule}"
         )
         self.limit, self.smallest, self.schedule = limit, smallest, schedule
+
+
+def blocks(pool: Pool) -> None:
+    """The V blocks repeated and squeezed: the paper's three (``fixed_blocks``), then the V
+    family's closest under the limit (``family_blocks``); one job, on the paper's blocks and
+    on the family's."""
+    fixed_blocks(pool)
+    family_blocks(pool)
 
 
 def fixed_blocks(pool: Pool) -> None:
@@ -73,9 +82,12 @@ def tries_wave(pool: Pool) -> bool:
     return pool.problem.limit >= p - _EPS or 6 * p * m <= pool.settings.wave_cheap_passes
 
 
-def wave(pool: Pool) -> None:
-    """The V-ZB wave under the limit (wave.py), a finished order (not replayed)."""
+def wave_or_none_fits(pool: Pool) -> None:
+    """The V-ZB wave under the limit (wave.py), a finished order (not replayed), last of the
+    constructions; where still nothing fits, the error (``infeasible``)."""
     pool.consider(WAVE, functools.partial(wave_orders, pool), replayable=False)
+    if not pool.candidates:
+        raise infeasible(pool)
 
 
 def family_blocks(pool: Pool) -> None:
@@ -100,10 +112,6 @@ def continuous_blocks(pool: Pool) -> None:
     for scale in pool.settings.period_scales:
         pool.consider((step("continuous block", scale=scale),),
                       functools.partial(_periodic, pool.problem, scale))
-
-
-def none_fits(pool: Pool) -> None:
-    raise infeasible(pool)
 
 
 def wave_orders(pool: Pool) -> tuple:

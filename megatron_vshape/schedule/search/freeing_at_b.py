@@ -32,6 +32,7 @@ from ..model.costs import MemoryModel
 from ..model.problem import Problem
 from ..model.provenance import Step, step
 from .local import improve
+from .settings import SETTINGS, Settings
 
 __all__ = ["freeing_nothing_at_b", "refined_under"]
 
@@ -48,15 +49,16 @@ def freeing_nothing_at_b(memory: MemoryModel) -> MemoryModel | None:
     return MemoryModel(memory.forward, 0.0, -memory.forward)
 
 
-def refined_under(problem: Problem, orders, budget: int) -> list[tuple[Step, tuple]]:
+def refined_under(problem: Problem, orders, budget: int,
+                  settings: Settings = SETTINGS) -> list[tuple[Step, tuple]]:
     """(what was done, orders) for ``orders`` with their W passes deferred under the problem's
     memory model within its limit (the caller's: the candidate's peak where B frees nothing),
-    and that polished with ``budget`` passes (local.py); an empty list when the deferral does
-    not apply (fused BW passes)."""
+    and that polished with ``budget`` passes (local.py, under ``settings``); an empty list when
+    the deferral does not apply (fused BW passes)."""
     try:
         deferred = defer_weight_passes(problem, orders)
     except ScheduleError:
         return []
-    polished = improve(problem, deferred, budget).orders
+    polished = improve(problem, deferred, budget, settings).orders
     return [(step("W deferred under the model"), deferred),
             (step("W deferred and polished under the model"), polished)]

@@ -23,8 +23,8 @@ from .local import Improved, improve, improve_repeated
 from .settings import Settings
 from .pool import Candidate, Pool, candidate_key, fastest_distinct, fresh
 
-__all__ = ["replays", "relays", "polishes", "relay_winner", "polish_winner", "defer_fastest",
-           "fills_gaps", "fill_fastest", "repeats", "repeat_moves", "final_budget", "capped"]
+__all__ = ["replays", "relays", "polishes", "defer_fastest", "fills_gaps", "fill_fastest",
+           "repeats", "repeat_moves", "final_budget", "capped"]
 
 _EPS = 1e-9
 
@@ -68,22 +68,12 @@ def relays(pool: Pool) -> None:
 
 
 def polishes(pool: Pool) -> None:
-    """The ``polished`` fastest candidates improved by the local search (local.py)."""
+    """The ``polished`` fastest candidates improved by the local search (local.py), then the
+    winner so far once more, with the larger budget (``final_budget``): one job, on the few
+    fastest and on the winner."""
     for base in fastest_distinct(pool.candidates, pool.settings.polished):
         pool.consider(base.provenance + (step("polished"),),
                       functools.partial(_polish, pool, base.orders, pool.settings.polish_budget))
-
-
-def relay_winner(pool: Pool) -> None:
-    """The winner so far re-laid, where it was not yet (a replay or a block won), its
-    cool-down alone too."""
-    winner = pool.fastest()
-    for base in fresh([winner], pool.reshaped, pool.shapes and not _relaid(winner)):
-        _reshape_ends(pool, base, pool.problem.full, cool_down_alone=True)
-
-
-def polish_winner(pool: Pool) -> None:
-    """The winner so far polished once more, with the larger budget (``final_budget``)."""
     _polish_further(pool, pool.fastest())
 
 
@@ -104,11 +94,6 @@ def repeat_moves(pool: Pool) -> None:
     base = pool.fastest()
     pool.consider(base.provenance + (step("moves repeated per microbatch"),),
                   functools.partial(_repeated, pool, base.orders))
-
-
-def _relaid(candidate: Candidate) -> bool:
-    """Whether ``candidate``'s warm-up or cool-down was re-laid on its way."""
-    return any(done.name in RELAID for done in candidate.provenance)
 
 
 def repeats(pool: Pool) -> bool:
@@ -187,14 +172,14 @@ def _replay_bases(pool: list[Candidate], count: int, extra: int,
 def _polish(pool: Pool, orders, budget: int) -> Improved:
     """``orders`` improved by the local search within the limit (local.py)."""
     passes = sum(len(order) for order in orders)
-    return improve(pool.problem, orders, capped(budget, passes, pool.settings))
+    return improve(pool.problem, orders, capped(budget, passes, pool.settings), pool.settings)
 
 
 def _repeated(pool: Pool, orders) -> Improved:
     """``orders`` improved by moves repeated per microbatch (local.py), budgeted as ``_polish``."""
     budget = capped(pool.settings.repeated_budget, sum(len(order) for order in orders),
                     pool.settings)
-    return improve_repeated(pool.problem, orders, budget)
+    return improve_repeated(pool.problem, orders, budget, pool.settings)
 
 
 def final_budget(p: int, m: int, s: Settings) -> int:
@@ -215,10 +200,10 @@ def _polish_further(pool: Pool, base: Candidate) -> None:
                   functools.partial(_polish, pool, base.orders, budget))
 
 
-def _reshape_ends(pool: Pool, base: Candidate, own: int, cool_down_alone: bool = False) -> None:
+def _reshape_ends(pool: Pool, base: Candidate, own: int) -> None:
     """Candidates from ``base`` re-laid (reshape_ends.py): its warm-up at the limit's peak
     (the problem's ``full``) and at its ``own`` (whole chunk-activations), warm-up and
-    cool-down at the limit's, and, for the winner of the replays, the cool-down alone."""
+    cool-down at the limit's."""
     problem = pool.problem
     full = problem.full
     for peak in sorted({full, own}):
@@ -227,10 +212,6 @@ def _reshape_ends(pool: Pool, base: Candidate, own: int, cool_down_alone: bool =
                       replayable=False)
     pool.consider(base.provenance + (step(RELAID[1], peak=full),),
                   functools.partial(_reshape_both, problem, base.orders), replayable=False)
-    if cool_down_alone:
-        pool.consider(base.provenance + (step(RELAID[2], peak=full),),
-                      functools.partial(reshape_cool_down, problem, base.orders),
-                      replayable=False)
 
 
 def _reshape_both(problem: Problem, orders) -> tuple:

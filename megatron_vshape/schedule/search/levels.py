@@ -10,15 +10,17 @@ activation memory, not for one particular order. So each name stands for a limit
                                                   (construct/greedy.py); the fastest kept
 
 The search re-schedules its answer's cool-down critical path first (search/critical_path_step.py),
-kept where that is faster (at p = 16 it is: v-min at m = 64 and the H100 costs 615.36 -> 612.75);
-where the paper's order, or under a model that frees at B the default model's answer, is faster than
-the search's, that one gets the same step here. Those three answers are the rows of this module's
-``ALSO_TRY`` table over one ``Level`` (the name, the setting, the memory model), as the search's
-own are of adaptive.py's over one ``SearchRequest``.
+kept where that is faster (at p = 16 it is: v-min at m = 64 and the H100 costs 615.36 -> 612.75).
+Nothing else is tried around it: the paper's order, and under a model that frees at B the name
+where B frees nothing, used to be "also tried", and over the search's referee
+(scripts/bench/search_referee.py: 752 cases, 606 named builds) neither was ever faster than the
+level's search, which has the paper's order among its candidates and, under such a model, the
+answer where B frees nothing as its first (adaptive.py's ``ALSO_TRY``).
 
 Levels are in units of one microbatch's activations of a rank's layer share, under the
 default memory model; under another model (B freeing part of a chunk) the same number of units
-is the limit, so a model that frees more can only make the name faster. With F = B = W and no
+is the limit, so a model that frees more can only make a V name faster (adaptive.py's
+``ALSO_TRY``; zb-1p's orders were never slower under it over the referee). With F = B = W and no
 comm the paper's memory table holds exactly (every peak within the name's bound) and the
 bubbles are at most the paper's (p = 8, m = 32: v-min 0.107 against the paper order's 0.123).
 
@@ -26,12 +28,11 @@ The schedule pipeline as a picture, with why each step is there: docs/design.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
 from ..construct.compose import compose, repeat
-from ..construct.greedy import Policy, greedy_schedule
+from ..construct.greedy import greedy_schedule
 from ..construct.named import FAMILIES, paper_schedule
 from ..construct.slot_reorder import slot_reorder
 from ..model.actions import ScheduleError
@@ -42,17 +43,12 @@ from ..model.schedule import Schedule
 from ..model.placement import Layout
 from ..names import MEMORY_LEVELS, schedule_info
 from ..model.simulate import makespan_of, peak_memory
-from .adaptive import AlsoTry, clear_cache as clear_search_cache, search
-from .freeing_at_b import freeing_nothing_at_b
+from .adaptive import clear_cache as clear_search_cache, search
 from .gc_pause import collector_paused
-from .critical_path_step import with_faster_tail
+from .settings import SETTINGS
 
-__all__ = ["memory_level", "fastest_at_level", "clear_caches", "Level", "ALSO_TRY"]
+__all__ = ["memory_level", "fastest_at_level", "clear_caches", "Level"]
 
-_ZB_POLICIES = (Policy(), Policy(ranked_warm_up=True, alternate=True))
-"""The greedy's policies for one chunk: between them the fastest of all 64 policies of
-construct/greedy.py on every point of the reference comparison grid (p 4-16, m 8-64, two cost
-ratios, three hop times)."""
 _EPS = 1e-9
 
 
@@ -97,71 +93,19 @@ class Level:
         return paper_schedule(self.name, self.ranks, self.microbatches)
 
 
-def _always(level: Level, found: list) -> bool:
-    return True
-
-
-def _frees_at_b(level: Level, found: list) -> bool:
-    return freeing_nothing_at_b(level.memory) is not None
-
-
-def _searched(level: Level, found: list) -> list:
-    """zb-1p: the fastest of its one-chunk orders (``_fastest_zb``); a V name: the search at
-    its level (adaptive.py)."""
+@functools.lru_cache(maxsize=128)
+def _fastest_cached(level: Level) -> tuple[Schedule, tuple[Step, ...]]:
+    """(schedule, provenance): zb-1p's fastest one-chunk order (``_fastest_zb``), a V name's
+    search at its level (adaptive.py); its provenance is the steps chosen by the name at its
+    level (``_chosen``)."""
     bound, paper = level.bound, level.paper
     if level.one_chunk:
         orders, how = _fastest_zb(paper, level.costs, level.memory, bound)
     else:
         result = search(level.ranks, level.microbatches, level.costs, bound, level.memory)
         orders, how = result.schedule.rank_actions, result.provenance
-    return [(paper.with_actions(orders, memory_bound=bound,
-                                provenance=_chosen(level.name, how, bound)), how)]
-
-
-def _paper_order(level: Level, found: list) -> list:
-    """The paper's order (the search has it among its candidates: a guard)."""
-    return [(level.paper, level.paper.provenance.steps)]
-
-
-def _freeing_nothing(level: Level, found: list) -> list:
-    """The name under the model where B frees nothing: what fits there fits here too."""
-    return [_fastest_cached(dataclasses.replace(level, memory=freeing_nothing_at_b(level.memory)))]
-
-
-ALSO_TRY = (
-    #       name                   when          run
-    AlsoTry("the level's search",  _always,      _searched),
-    AlsoTry("paper order",         _always,      _paper_order),
-    AlsoTry("B frees nothing",     _frees_at_b,  _freeing_nothing),
-)
-"""A named build: the answers of these rows, the fastest kept (ties: the first); where it is
-not the level's search's own (which has its cool-down already) nor zb-1p's, its cool-down
-re-scheduled critical path first where that is faster."""
-
-
-@functools.lru_cache(maxsize=128)
-def _fastest_cached(level: Level) -> tuple[Schedule, tuple[Step, ...]]:
-    """(schedule, provenance): the fastest ``ALSO_TRY`` answer and the steps that made it (its
-    provenance is ``_chosen``)."""
-    found: list[tuple[Schedule, tuple[Step, ...]]] = []
-    for also in ALSO_TRY:
-        if also.when(level, found):
-            found.extend(also.run(level, found))
-    best, best_time = found[0], makespan_of(found[0][0], level.costs)
-    for other in found[1:]:
-        makespan = makespan_of(other[0], level.costs)
-        if makespan < best_time - _EPS:
-            best, best_time = other, makespan
-    if level.one_chunk or best is found[0]:  # the search re-scheduled its cool-down
-        return best
-    schedule = best[0]
-    problem = Problem(schedule.placement, schedule.microbatches, level.costs, level.memory,
-                      level.bound)
-    tailed = with_faster_tail(problem, schedule, best_time, best[1])
-    if tailed is None:
-        return best
-    orders, how = tailed
-    return best[0].with_actions(orders, provenance=_chosen(level.name, how, level.bound)), how
+    return paper.with_actions(orders, memory_bound=bound,
+                              provenance=_chosen(level.name, how, bound)), how
 
 
 def _chosen(name: str, provenance: tuple[Step, ...], level: float) -> Provenance:
@@ -180,7 +124,7 @@ def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float
     placement, m = paper.placement, paper.microbatches
     problem = Problem(placement, m, costs, memory, level)
     starts = [(step("paper order"), paper.rank_actions)]
-    for policy in _ZB_POLICIES:
+    for policy in SETTINGS.zb_policies:
         try:
             starts.append((step("greedy", policy=policy),
                            greedy_schedule(problem, policy).orders))

@@ -39,32 +39,11 @@ from ..model.actions import Action, PassKind, ScheduleError
 from ..model.indexed import Dataflow, PassIndex, gather
 from ..model.problem import Problem
 from ..model.simulate import pass_durations
+from .settings import SETTINGS, Settings
 
-__all__ = ["Improved", "improve", "improve_repeated", "LocalSearch", "DEADLOCK_PROBE"]
+__all__ = ["Improved", "improve", "improve_repeated", "LocalSearch"]
 
 _EPS = 1e-9
-_MOVE_COST = 100
-"""A move's fixed cost in passes timed (about 10 us: building and checking it)."""
-_MANY_TIMINGS = 1000
-"""Below this many passes of budget per pass of the schedule, the budget buys one partial
-descent, and that descent takes the critical path's gaps first (p 8-16 at H100 and
-unbalanced costs: faster at 33 of 34 changed points, by up to 2.8%); from it (small
-schedules: hundreds of full timings, many descents) all gaps biggest first, which reached
-the better basins at p = 4 (m 8-16: 7 of 9 changed points slower with critical-first)."""
-_WINDOW = 6
-"""How many positions a move may reach (improve's default)."""
-_KICKS = 3
-"""Random moves per kick of the iterated search (``LocalSearch.run``): enough to leave a local
-optimum, few enough that the descent after it stays near the best found. Over p 4 and 8, m 2p
-and 4p, the costs 2,2.78,0.7,0.05 / 1,1.2,0.8,0.1 / 2,2,2,0.1 and the limits V-Min's, V-Half's
-and 3p/4 (36 searches) 1 and 6 kicks were each slower at 2 points (by up to 0.4%) and faster at
-none."""
-DEADLOCK_PROBE = 64
-"""How many passes the deadlock check (``LocalSearch.deadlocks``) visits before it gives up and
-leaves the move to a timing: at the H100 costs it settles 97-100% of the deadlocked single
-moves of v-min's searches at p 4-16 (about 28 passes each at p = 16, m = 16) and 95% of
-v-half's at p = 16, m = 64. A move repeated per microbatch is not timed either when the move
-itself, made once, surely deadlocks (``LocalSearch.repeated``)."""
 W = PassKind.W
 _KINDS = (PassKind.F, PassKind.B, PassKind.W, PassKind.BW)
 
@@ -82,8 +61,9 @@ class LocalSearch:
     timing and the move loop. A move re-times only what starts at or after the first pass it
     touches, and the budget counts the passes re-timed (plus ``overhead`` per move)."""
 
-    def __init__(self, problem: Problem, orders, window: int):
-        self.cap, self.window = problem.cap, window
+    def __init__(self, problem: Problem, orders, settings: Settings = SETTINGS):
+        self.cap, self.window = problem.cap, settings.move_window
+        self.probe = settings.deadlock_probe
         placement, costs = problem.placement, problem.costs
         index = self.index = PassIndex.of(placement, problem.microbatches)
         self.flow = Dataflow(index, index.durations(pass_durations(placement, costs)),
@@ -95,7 +75,7 @@ class LocalSearch:
                       for a in index.actions]  # passes of one kind and stage; W passes none
         self.orders = index.encode(orders)
         self._locate()
-        self.overhead = _MOVE_COST + sum(map(len, self.orders)) // 8
+        self.overhead = settings.move_cost + sum(map(len, self.orders)) // 8
         """What a move costs besides the passes it re-times, in passes: building it, and
         copying and summing the schedule's lists (about an eighth of timing all of it)."""
         self.timed = 0
@@ -211,7 +191,7 @@ class LocalSearch:
         or after its end, so the walk back from the dependency (each pass's dependency and
         the pass before it on its rank) stops at passes that start earlier, and finds the
         cycle when it reaches rank r at position i or later. It gives up (False: leaves the
-        move to the timing) after ``DEADLOCK_PROBE`` passes. Each pass it visits is charged to the
+        move to the timing) after ``deadlock_probe`` passes (settings.py). Each pass it visits is charged to the
         budget like a pass timed, and a deadlock found also a move's fixed cost
         (``overhead``), as when the timing found it: the budget buys about the moves it
         bought before (over 384 named builds and searches, p 4-16, four cost ratios, both
@@ -228,7 +208,7 @@ class LocalSearch:
             return False
         dep, where, orders = self.index.dep, self.where, self.orders
         stack, seen, visited = [(q, k)], {(q, k)}, 0
-        while stack and visited < DEADLOCK_PROBE:
+        while stack and visited < self.probe:
             q, k = stack.pop()
             visited += 1
             before = dep[orders[q][k]]
@@ -352,21 +332,22 @@ class LocalSearch:
         return accepted
 
 
-def improve(problem: Problem, orders, budget: int = 200_000, window: int = _WINDOW,
-            kicks: int = _KICKS) -> Improved:
+def improve(problem: Problem, orders, budget: int, settings: Settings = SETTINGS) -> Improved:
     """Orders at least as fast as ``orders`` (module doc), every rank within the problem's
-    limit (the input orders must be within it too)."""
-    search = _started(problem, orders, window)
-    scarce = budget < _MANY_TIMINGS * sum(map(len, search.orders))
-    moves = search.run(budget, kicks, critical_first=scarce)
+    limit (the input orders must be within it too), from ``budget`` passes timed; moves,
+    kicks and what a move costs are ``settings``' (settings.py)."""
+    search = _started(problem, orders, settings)
+    scarce = budget < settings.many_timings * sum(map(len, search.orders))
+    moves = search.run(budget, settings.kicks, critical_first=scarce)
     score = search.score
     return Improved(search.index.decode(search.orders), score[0], moves)
 
 
-def improve_repeated(problem: Problem, orders, budget: int = 1_000_000, periods: tuple = (1,),
-                     polish: int = 300_000) -> Improved:
-    """Orders at least as fast as ``orders``, from rounds of: per period, a descent with moves
-    repeated in every period (module doc), then :func:`improve` with ``polish`` passes; until
+def improve_repeated(problem: Problem, orders, budget: int,
+                     settings: Settings = SETTINGS) -> Improved:
+    """Orders at least as fast as ``orders``, from rounds of: per period of ``settings``'
+    ``repeated_periods``, a descent with moves repeated in every period (module doc), then
+    :func:`improve` with ``repeated_polish`` passes (settings.py); until
     a round after the first gains nothing or ``budget`` passes are spent (each polish counted
     in full). The first round always gets a second: its polish ends on other orders of the
     same makespan at worst, from which the next finds more (V-Min at p = 4, H100 costs:
@@ -378,18 +359,18 @@ def improve_repeated(problem: Problem, orders, budget: int = 1_000_000, periods:
     1F1B, where the same 1,000,000 passes of :func:`improve` alone reach 1.292 (3,000,000:
     1.279). Periods 1-4 instead of 1 reached the same there and at p = 4, m = 16, in more
     time."""
-    search = _started(problem, orders, _WINDOW)
+    search = _started(problem, orders, settings)
     best = Improved(search.index.decode(search.orders), search.score[0], 0)
-    polish = min(polish, budget)  # a small schedule's budget is small (improvements.capped)
+    polish = min(settings.repeated_polish, budget)  # a small schedule's budget is small (improvements.capped)
     spent = moves = rounds = 0
     while spent < budget:
         start = best.makespan
-        for period in periods:
-            search = LocalSearch(problem, best.orders, _WINDOW)
+        for period in settings.repeated_periods:
+            search = LocalSearch(problem, best.orders, settings)
             search.critical_first = False
             moves += search.descend(budget - spent, period)
             spent += search.timed + polish
-            polished = improve(problem, search.index.decode(search.orders), polish)
+            polished = improve(problem, search.index.decode(search.orders), polish, settings)
             moves += polished.moves
             if polished.makespan <= best.makespan:
                 best = Improved(polished.orders, polished.makespan, moves)
@@ -399,9 +380,9 @@ def improve_repeated(problem: Problem, orders, budget: int = 1_000_000, periods:
     return best
 
 
-def _started(problem: Problem, orders, window: int) -> LocalSearch:
+def _started(problem: Problem, orders, settings: Settings) -> LocalSearch:
     """A search from ``orders``, which must run and fit the problem's limit."""
-    search = LocalSearch(problem, orders, window)
+    search = LocalSearch(problem, orders, settings)
     if search.score is None:
         raise ScheduleError("local search: the starting orders deadlock")
     if any(not search._fits(o) for o in search.orders):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..construct.greedy import Policy
+
 __all__ = ["SETTINGS", "Settings"]
 
 
@@ -46,7 +48,10 @@ class Settings:
     and the limits V-Min's, V-Half's and 3p/4 (36 searches) window 2 instead was faster at 8 points
     and slower at 12 (by up to 2.5%), window 8 faster at 7 and slower at 10 (up to 14%), and the
     three windows 2, 4 and 8 together faster at 4 and slower at 4 (their replays take later steps'
-    starts): 4 loses least."""
+    starts): 4 loses least. The replay's own default used to be 24 (rewrite/replay.py now has
+    none): over the same grid's 30 distinct searches window 24 was faster at 7 (by up to 0.95%)
+    and slower at 6, by up to 14.7% (p = 8, m = 32, costs 2,2.78,0.7,0.05 at 4 units: 239.61
+    -> 274.93)."""
     replay_slack: tuple = (0, 1)
     """Chunk-activations a replay may hold over the limit while it runs: its peak often lands
     lower (a replay over the limit is dropped)."""
@@ -120,6 +125,49 @@ class Settings:
     Run everywhere (periods 1-4), it gained at most 0.15% on the rest of the named levels' grid
     (p 4-16, m 4p and 8p, both memory models; p = 8, m = 32, V-Min) for 0.6-1.3 s more, and at
     V-Half's and V-ZB's memory 0.1% at most."""
+    move_window: int = 6
+    """How many positions a move of the local search (local.py) may carry a pass earlier, and
+    how far a kick's random move reaches. Over p 4 and 8, m 2p and 4p, the costs 2,2.78,0.7,0.05 /
+    1,1.2,0.8,0.1 / 2,2,2,0.1 and the limits V-Min's, V-Half's and 3p/4 (30 distinct
+    searches) window 4 was faster at 4 points (by up to 0.60%) and slower at 2 (up to 0.61%),
+    window 8 faster at 1 (0.19%) and slower at 3 (up to 0.79%), in the same time: 6 is kept,
+    4 being a wash there that would change answers all over the referee."""
+    kicks: int = 3
+    """Random moves per kick of the local search's iterated descent (``LocalSearch.run``):
+    enough to leave a local optimum, few enough that the descent after it stays near the best
+    found. Over p 4 and 8, m 2p and 4p, the costs 2,2.78,0.7,0.05 / 1,1.2,0.8,0.1 / 2,2,2,0.1
+    and the limits V-Min's, V-Half's and 3p/4 (36 searches) 1 and 6 kicks were each slower at
+    2 points (by up to 0.4%) and faster at none."""
+    move_cost: int = 100
+    """A move's fixed cost in passes timed, charged to the local search's budget besides the
+    passes it re-times: building and checking a move takes about 10 us, what timing 100
+    passes takes, so a budget buys about the same wall time whatever the moves cost."""
+    many_timings: int = 1_000
+    """Below this many passes of budget per pass of the schedule, a polish's budget buys one
+    partial descent, and that descent takes the critical path's gaps first (p 8-16 at H100 and
+    unbalanced costs: faster at 33 of 34 changed points, by up to 2.8%); from it (small
+    schedules: hundreds of full timings, many descents) all gaps biggest first, which reached
+    the better basins at p = 4 (m 8-16: 7 of 9 changed points slower with critical-first)."""
+    deadlock_probe: int = 64
+    """How many passes the local search's deadlock check (``LocalSearch.deadlocks``) visits
+    before it gives up and leaves the move to a timing: at the H100 costs it settles 97-100% of
+    the deadlocked single moves of v-min's searches at p 4-16 (about 28 passes each at p = 16,
+    m = 16) and 95% of v-half's at p = 16, m = 64. A move repeated per microbatch is not timed
+    either when the move itself, made once, surely deadlocks (``LocalSearch.repeated``)."""
+    repeated_periods: tuple = (1,)
+    """The periods (microbatches) the repeated moves are made in (``improve_repeated``):
+    periods 1-4 instead of 1 reached the same makespans at p = 4, m = 16 and 32 (V-Min's
+    memory, H100 costs), in more time."""
+    repeated_polish: int = 300_000
+    """Passes of the single-move polish after each round of repeated moves (``improve_repeated``;
+    at most the round's whole budget). Over p = 4, m 8, 16 and 32 at V-Min's memory (where the
+    repeated moves run), the costs 2,2.78,0.7,0.05 / 1,1.2,0.8,0.1 / 2,2,2,0.1 (9 searches):
+    150,000 lost 1.35% at one (m = 32, H100 costs: 243.54 -> 246.82), 600,000 lost 0.29% at
+    one (m = 16: 126.22 -> 126.58), both faster nowhere, in the same time."""
+    zb_policies: tuple = (Policy(), Policy(ranked_warm_up=True, alternate=True))
+    """The greedy's policies (construct/greedy.py) zb-1p's level tries besides the paper's
+    order (levels.py): between them the fastest of all 64 policies on every point of the
+    reference comparison grid (p 4-16, m 8-64, two cost ratios, three hop times)."""
     budget_per_pass: int = 1_600
     """Both polish budgets are capped at this many passes timed per pass of the schedule: the local
     search spends its whole budget, and a small schedule (p = 2, m = 2: 24 passes) would otherwise
