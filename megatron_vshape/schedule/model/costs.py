@@ -122,7 +122,6 @@ class Costs:
         shares time bit for bit as those shares do, but stay per stage: 1F1B's stage k reads
         stages 2k and 2k + 1 (:meth:`pass_times`), not the V's rank k share.
         """
-        comm = pass_time(comm, "costs: comm", zero_ok=True)
         count = placement.num_stages
         times = []
         for name, values in (("forward (F)", forward), ("backward (B)", backward),
