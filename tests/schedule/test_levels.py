@@ -3,7 +3,7 @@
 and within its level, never slower than the paper's order, and a memory model that frees more
 at B never makes them slower."""
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_vshape.schedule import (Costs, Layout, MemoryModel, Placement, Problem, Schedule,
@@ -36,6 +36,7 @@ def test_a_level_is_valid_within_its_bound_and_never_slower_than_the_paper(name,
 @settings(max_examples=12, deadline=None)
 @given(name=st.sampled_from(MEMORY_LEVELS), p=st.integers(2, 6), m=st.integers(2, 14),
        costs=costs_strategy, backward=st.sampled_from([-0.25, -0.5, -0.75, -1.0]))
+@example(name="zb-1p", p=3, m=6, costs=(1.0, 1.0, 0.8, 0.05), backward=-1.0)  # stop 54's CI
 def test_a_model_that_frees_more_at_b_is_never_slower(name, p, m, costs, backward):
     c = Costs.build(p, *costs)
     freeing = MemoryModel(1, backward, -1 - backward)
