@@ -109,7 +109,7 @@ WORDS: dict[str, Callable[..., str]] = {
     # zb-1p's one-chunk orders (search/levels.py)
     "paper order": lambda: "paper order",
     "greedy": lambda policy: f"greedy ({policy.describe()})",
-    "the default model's fastest": lambda: "the default model's fastest (B frees nothing)",
+    "fastest where B frees nothing": lambda: "the fastest order where B frees nothing",
     # a finished order rewritten for Transformer Engine (rewrite/weight_order.py)
     "W in B order": lambda: "W in B order",
 }

@@ -21,7 +21,7 @@ Levels are in units of one microbatch's activations of a rank's layer share, und
 default memory model; under another model (B freeing part of a chunk) the same number of units
 is the limit, so a model that frees more can only make a name faster: a V name's search tries
 the default model's answer first (adaptive.py's ``ALSO_TRY``), and zb-1p's starts include its
-default-model order (``_fastest_zb``). With F = B = W and no
+order where B frees nothing (``_fastest_zb``). With F = B = W and no
 comm the paper's memory table holds exactly (every peak within the name's bound) and the
 bubbles are at most the paper's (p = 8, m = 32: v-min 0.107 against the paper order's 0.123).
 
@@ -46,6 +46,7 @@ from ..model.placement import Layout
 from ..names import MEMORY_LEVELS, schedule_info
 from ..model.simulate import makespan_of, peak_memory
 from .adaptive import clear_cache as clear_search_cache, search
+from .freeing_at_b import freeing_nothing_at_b
 from .gc_pause import collector_paused
 from .settings import SETTINGS
 
@@ -102,10 +103,11 @@ def _fastest_cached(level: Level) -> tuple[Schedule, tuple[Step, ...]]:
     level (``_chosen``)."""
     bound, paper = level.bound, level.paper
     if level.one_chunk:
-        default = (() if level.memory == MemoryModel() else
-                   _fastest_cached(dataclasses.replace(level, memory=MemoryModel()))[0]
-                   .rank_actions)
-        orders, how = _fastest_zb(paper, level.costs, level.memory, bound, default)
+        nothing = freeing_nothing_at_b(level.memory)
+        b_frees_nothing = (() if nothing is None else
+                           _fastest_cached(dataclasses.replace(level, memory=nothing))[0]
+                           .rank_actions)
+        orders, how = _fastest_zb(paper, level.costs, level.memory, bound, b_frees_nothing)
     else:
         result = search(level.ranks, level.microbatches, level.costs, bound, level.memory)
         orders, how = result.schedule.rank_actions, result.provenance
@@ -119,11 +121,12 @@ def _chosen(name: str, provenance: tuple[Step, ...], level: float) -> Provenance
 
 
 def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float,
-                default: tuple = ()):
+                b_frees_nothing: tuple = ()):
     """(orders, provenance) of the fastest one-chunk order within ``level`` units.
 
-    ``default`` is the fastest order under the default model, tried under a model whose B frees
-    memory: it fits there (B precedes W, so no moment holds more), and without it the greedy
+    ``b_frees_nothing`` is the fastest order where B frees nothing (freeing_at_b.py's
+    ``freeing_nothing_at_b``), tried under a model whose B frees memory: it fits there (B
+    precedes W, so no moment holds more), and without it the greedy
     under that model can be slower (p 3, m 6, costs 1, 1, 0.8, 0.05, B freeing all: 19.9
     against 19.6, found by tests/schedule/test_levels.py's property in CI at stop 54).
 
@@ -141,8 +144,8 @@ def _fastest_zb(paper: Schedule, costs: Costs, memory: MemoryModel, level: float
                            greedy_schedule(problem, policy).orders))
         except ScheduleError:
             continue
-    if default:  # last: it answers only where it is strictly faster
-        starts.append((step("the default model's fastest"), default))
+    if b_frees_nothing:  # last: it answers only where it is strictly faster
+        starts.append((step("fastest where B frees nothing"), b_frees_nothing))
     best = None
     for how, orders in starts:
         if max(peak_memory(paper.with_actions(orders), memory)) > level + _EPS:
