@@ -23,9 +23,12 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from ..schedule.model.placement import Layout
+from ..schedule.names import megatrons_own, schedule_info
 from .install import installed_config
 
 __all__ = ["layout_of", "check_optimizer_layout", "checked_load_checkpoint"]
+
 
 def layout_of(args) -> str:
     """The chunk layout a Megatron-LM argument namespace runs (or a checkpoint was saved with):
@@ -37,9 +40,6 @@ def layout_of(args) -> str:
 
 def _layout(schedule: str | None, virtual_stages: int | None) -> str:
     """'v', 'loop' or 'single' of ``schedule``; None: megatron's own by its virtual stages."""
-    from ..schedule.model.placement import Layout
-    from ..schedule.names import megatrons_own, schedule_info
-
     if schedule is None:
         schedule = megatrons_own(Layout.LOOP if (virtual_stages or 1) > 1 else Layout.SINGLE)
     return schedule_info(schedule).layout.value
@@ -58,9 +58,6 @@ def check_optimizer_layout(ckpt_args, sharding_type: str | None, schedule: str,
     saved, running = layout_of(ckpt_args), _layout(schedule, None)
     if saved == running:
         return
-    from ..schedule.model.placement import Layout
-    from ..schedule.names import megatrons_own
-
     saved_by = getattr(ckpt_args, "pipeline_schedule", None) or megatrons_own(Layout(saved))
     raise ValueError(
         f"checkpoint {where} holds distributed-optimizer state in megatron's {sharding_type} "
